@@ -1,0 +1,22 @@
+# Two entry points, each sets up .venv on first use: `make run` (tiny recipe end to end) and `make test`.
+PY ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q torch==2.13.0
+	$(VENV)/bin/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+.PHONY: run test lint
+run: $(STAMP)
+	$(VENV)/bin/osdp-platform submit recipes/tiny.yaml
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pytest -q

@@ -1,0 +1,45 @@
+"""What a planner is asked: the model's context (pool, limits, batch, precision), independent of recipes."""
+
+from dataclasses import dataclass
+
+from osdp_planners.hardware import DevicePreset
+
+
+class PlanningError(Exception):
+    """No plan can satisfy the request; the message says why and what would."""
+
+    def __init__(self, field: str, value: object, problem: str, fix: str) -> None:
+        self.field = field
+        self.value = value
+        self.problem = problem
+        self.fix = fix
+        super().__init__(f"{field} = {value!r}: {problem}\n  fix: {fix}")
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    planner: str  # ddp | zero2 | zero3 | hsdp | osdp | manual
+    model_label: str
+    nodes: int
+    workers_per_node: int
+    device: DevicePreset
+    memory_limit_bytes: int
+    seq_len: int
+    micro_batch_size: int | None  # None: the planner chooses
+    global_batch_size: int | None  # fixed global batch: the planner picks micro batch x accumulation
+    precision: str = "fp32"
+    optimizer: str = "adamw"
+    hsdp_group_size: int | None = None
+    plan_file: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.workers_per_node
+
+    def default_hsdp_group(self) -> int:
+        """Shard inside a node (fast links) and replicate across nodes; on one node, over half of it."""
+        if self.hsdp_group_size is not None:
+            return self.hsdp_group_size
+        if self.nodes > 1:
+            return self.workers_per_node
+        return max(1, self.workers_per_node // 2)

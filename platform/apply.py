@@ -1,0 +1,128 @@
+"""Apply a plan to a live model with FSDP2, unit by unit, and check the result matches the plan.
+
+Every strategy is one `fully_shard` call with its own mesh and resharding setting:
+ZeRO-3 = 1-D mesh over all ranks, reshard after forward; ZeRO-2-like = same mesh, keep gathered;
+HSDP(g) = 2-D mesh (world/g replicas x g shards), reshard; DP = 2-D mesh (world x 1), keep gathered.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed._composable import checkpoint
+from torch.distributed._composable.contract import _get_registry
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from osdp_planners.plan import Plan, Strategy, UnitPlan
+from osdp_planners.units import find_units, structure_hash
+from osdp_platform.split import SplitLinear, split_linear_in
+
+
+class PlanMismatch(RuntimeError):
+    """The live model does not execute the plan it was given; training must not start."""
+
+
+@dataclass
+class Meshes:
+    """One DeviceMesh per shard-group size, created once (each creates process groups)."""
+
+    device_type: str
+    world_size: int
+    _cache: dict[int, DeviceMesh]
+
+    def for_group(self, g: int) -> DeviceMesh:
+        if g not in self._cache:
+            if g == self.world_size:
+                mesh = init_device_mesh(self.device_type, (g,), mesh_dim_names=("shard",))
+            else:
+                mesh = init_device_mesh(self.device_type, (self.world_size // g, g),
+                                        mesh_dim_names=("replicate", "shard"))
+            self._cache[g] = mesh
+        return self._cache[g]
+
+
+def _reshard(unit: UnitPlan) -> bool:
+    return unit.strategy in (Strategy.ZERO3, Strategy.HSDP)
+
+
+def _policy(precision: str) -> MixedPrecisionPolicy:
+    if precision == "bf16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def apply_plan(model: nn.Module, plan: Plan, device_type: str) -> Meshes:
+    """Split, checkpoint-wrap and shard every unit as the plan says; the root takes what is left."""
+    if structure_hash(model) != plan.structure_hash:
+        raise PlanMismatch(
+            f"the plan was made for a model with structure hash {plan.structure_hash}, this model has "
+            f"{structure_hash(model)}: re-plan for this model"
+        )
+    linears = {u.name: u.linears for u in find_units(model)}
+    if set(linears) != {u.name for u in plan.units}:
+        raise PlanMismatch(f"plan units {sorted(u.name for u in plan.units)} are not this model's units "
+                           f"{sorted(linears)}: re-plan for this model")
+    meshes = Meshes(device_type, plan.world_size, {})
+    mp = _policy(plan.precision)
+    root_unit = None
+    for unit in plan.units:
+        if unit.modules == [""]:
+            root_unit = unit
+            continue
+        kwargs = {"mesh": meshes.for_group(unit.shard_group_size), "reshard_after_forward": _reshard(unit),
+                  "mp_policy": mp}
+        if unit.split > 1:
+            for path in linears[unit.name]:
+                split = split_linear_in(model, path, unit.split)
+                for piece in split.slices:
+                    fully_shard(piece, **kwargs)
+        modules = [model.get_submodule(m) for m in unit.modules]
+        if unit.checkpoint:
+            for module in modules:
+                checkpoint(module)
+        fully_shard(modules if len(modules) > 1 else modules[0], **kwargs)
+    root_g = root_unit.shard_group_size if root_unit else plan.world_size
+    fully_shard(model, mesh=meshes.for_group(root_g),
+                reshard_after_forward=_reshard(root_unit) if root_unit else False, mp_policy=mp)
+    verify_applied(model, plan, linears)
+    return meshes
+
+
+def _check_sharding(module: nn.Module, unit: UnitPlan, world_size: int, what: str) -> None:
+    if not isinstance(module, FSDPModule):
+        raise PlanMismatch(f"{what} is not sharded by FSDP2")
+    group = module._get_fsdp_state()._fsdp_param_group
+    if group is None:
+        raise PlanMismatch(f"{what} holds no parameters under FSDP2")
+    info = group.mesh_info
+    shard = getattr(info, "shard_mesh_size", 1)
+    replicate = getattr(info, "replicate_mesh_size", 1)
+    if (shard, replicate) != (unit.shard_group_size, world_size // unit.shard_group_size):
+        raise PlanMismatch(f"{what}: mesh shards over {shard} x replicates {replicate}, plan says "
+                           f"{unit.strategy} with group {unit.shard_group_size}")
+    if (group.post_forward_mesh_info is not None) != _reshard(unit):
+        raise PlanMismatch(f"{what}: reshard_after_forward does not match strategy {unit.strategy}")
+
+
+def verify_applied(model: nn.Module, plan: Plan, linears: dict[str, tuple[str, ...]]) -> None:
+    """Compare the live model with the plan: mesh, resharding, split and checkpoint of every unit."""
+    for unit in plan.units:
+        if unit.modules == [""]:
+            _check_sharding(model, unit, plan.world_size, "the root")
+            continue
+        for path in unit.modules:
+            module = model.get_submodule(path)
+            _check_sharding(module, unit, plan.world_size, f"unit {unit.name} ({path})")
+            has_ckpt = "checkpoint" in (_get_registry(module) or {})
+            if has_ckpt != unit.checkpoint:
+                raise PlanMismatch(f"unit {unit.name}: activation checkpointing is {has_ckpt}, plan says "
+                                   f"{unit.checkpoint}")
+        for path in linears[unit.name]:
+            live = model.get_submodule(path)
+            slices = len(live.slices) if isinstance(live, SplitLinear) else 1
+            if slices != unit.split:
+                raise PlanMismatch(f"unit {unit.name}: {path} is in {slices} slice(s), plan says {unit.split}")
+            if isinstance(live, SplitLinear):
+                for piece in live.slices:
+                    _check_sharding(piece, unit, plan.world_size, f"a slice of {path}")

@@ -1,0 +1,65 @@
+"""The `osdp-platform` command: validate, plan and submit recipes. User mistakes exit 2 with one message."""
+
+import argparse
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from osdp_planners import PlanningError
+from osdp_platform.errors import UserError, UserErrors
+from osdp_platform.recipe_loader import load_recipe
+
+EXIT_USER_ERROR = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="osdp-platform", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, text in (("validate", "check a recipe and print it resolved"),
+                       ("plan", "plan a recipe without training (no GPU, no Ray workers needed)"),
+                       ("submit", "plan and train a recipe on Ray, tracked in MLflow")):
+        cmd = sub.add_parser(name, help=text)
+        cmd.add_argument("recipe", help="recipe YAML file")
+        cmd.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=5")
+    sub.choices["plan"].add_argument("--out", help="write the plan JSON here")
+    sub.choices["submit"].add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS or local)")
+    return parser
+
+
+def _run(args: argparse.Namespace, console: Console) -> int:
+    recipe = load_recipe(args.recipe, args.overrides)
+    if args.command == "validate":
+        from osdp_platform.recipe_loader import recipe_to_yaml
+
+        console.print(recipe_to_yaml(recipe), markup=False)
+        console.print(f"[green]ok[/]: {args.recipe} is valid")
+        return 0
+    if args.command == "plan":
+        from osdp_platform.planning import plan_recipe
+
+        plan = plan_recipe(recipe)
+        if args.out:
+            Path(args.out).write_text(plan.to_json())
+            console.print(f"plan written to {args.out}")
+        else:
+            console.print(plan.to_json(), markup=False)
+        return 0
+    from osdp_platform.submit import submit
+
+    submit(recipe, address=args.address, console=console)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    console = Console(stderr=False)
+    try:
+        return _run(args, console)
+    except (UserError, UserErrors, PlanningError) as exc:
+        Console(stderr=True).print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        return EXIT_USER_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

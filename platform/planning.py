@@ -1,0 +1,64 @@
+"""Turn a recipe into a plan: locally (the `plan` command) or in the planner actor on a sample worker."""
+
+from typing import Any
+
+import ray
+import torch
+from ray.exceptions import RayTaskError
+
+from osdp_planners import Plan, PlanningError, PlanRequest, make_plan_for
+from osdp_planners.hardware import get_preset
+from osdp_platform.errors import UserError
+from osdp_platform.models import build_model
+from osdp_platform.recipe import Recipe
+
+PLANNER_TIMEOUT_S = 600
+
+
+def plan_request(recipe: Recipe) -> PlanRequest:
+    hw, t = recipe.hardware, recipe.train
+    return PlanRequest(
+        planner=recipe.planner.name,
+        model_label=recipe.model.label,
+        nodes=hw.nodes,
+        workers_per_node=hw.workers_per_node,
+        device=get_preset(hw.preset),
+        memory_limit_bytes=recipe.memory_limit_bytes,
+        seq_len=recipe.data.seq_len,
+        micro_batch_size=None if t.micro_batch_size == "auto" else t.micro_batch_size,
+        global_batch_size=t.global_batch_size,
+        precision=t.precision,
+        optimizer=t.optimizer,
+        hsdp_group_size=recipe.planner.hsdp_group_size,
+        plan_file=recipe.planner.plan_file,
+    )
+
+
+def plan_recipe(recipe: Recipe) -> Plan:
+    """Plan from the model built on the meta device: any size, no memory, no accelerator."""
+    model = build_model(recipe.model, device="meta")
+    return make_plan_for(model, plan_request(recipe))
+
+
+@ray.remote
+class PlannerActor:
+    """Runs the planner where a training worker would run, so profiling sees the workers' hardware."""
+
+    def plan(self, recipe_json: dict[str, Any]) -> str:
+        torch.set_num_threads(1)
+        return plan_recipe(Recipe.model_validate(recipe_json)).to_json()
+
+
+def plan_on_sample_worker(recipe: Recipe) -> Plan:
+    """Place the planner actor like one training worker, get its plan, and free the worker again."""
+    gpu = 1 if recipe.hardware.accelerator == "gpu" else 0
+    actor = PlannerActor.options(num_cpus=1, num_gpus=gpu).remote()  # type: ignore[attr-defined]
+    try:
+        plan_json = ray.get(actor.plan.remote(recipe.model_dump(mode="json")), timeout=PLANNER_TIMEOUT_S)
+    except RayTaskError as exc:
+        if isinstance(exc.cause, UserError | PlanningError):
+            raise exc.cause from None
+        raise
+    finally:
+        ray.kill(actor)
+    return Plan.model_validate_json(plan_json)

@@ -1,0 +1,162 @@
+"""The recipe schema: what a user may declare, validated strictly (unknown keys are errors)."""
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+
+from osdp_planners.hardware import PRESETS
+
+STRATEGY_PLANNERS = ("ddp", "zero2", "zero3", "hsdp")
+PLANNER_NAMES = (*STRATEGY_PLANNERS, "osdp", "manual")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(_Section):
+    """Either a zoo entry (family + size) or the user's own factory (target + kwargs)."""
+
+    family: str | None = None
+    size: str | None = None
+    target: str | None = Field(default=None, description='"package.module:factory" returning an nn.Module')
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelSection":
+        zoo = self.family is not None or self.size is not None
+        if zoo and self.target is not None:
+            raise ValueError("give either family+size (the zoo) or target (your own factory), not both")
+        if not zoo and self.target is None:
+            raise ValueError("give family+size (e.g. family: llama, size: tiny) or target: 'pkg.module:factory'")
+        if zoo and (self.family is None or self.size is None):
+            raise ValueError("a zoo model needs both family and size")
+        if self.target is not None and ":" not in self.target:
+            raise ValueError(f"target {self.target!r} must look like 'package.module:factory'")
+        return self
+
+    @property
+    def label(self) -> str:
+        return self.target if self.target else f"{self.family}-{self.size}"
+
+
+class DataSection(_Section):
+    """Token source: synthetic tokens, the bundled corpus, or the user's text file (byte tokenizer)."""
+
+    source: Literal["synthetic", "corpus", "text_file"] = "corpus"
+    path: str | None = None
+    seq_len: int = Field(default=64, ge=2)
+
+    @model_validator(mode="after")
+    def _path_for_text_file(self) -> "DataSection":
+        if self.source == "text_file":
+            if not self.path:
+                raise ValueError("source text_file needs path: the text file to train on")
+            if not Path(self.path).is_file():
+                raise ValueError(f"text file {self.path!r} does not exist")
+        elif self.path is not None:
+            raise ValueError(f"path is only used with source: text_file (source is {self.source!r})")
+        return self
+
+
+class HardwareSection(_Section):
+    """The device pool: nodes x workers per node, each one device of the named preset."""
+
+    accelerator: Literal["cpu", "gpu"] = "cpu"
+    nodes: PositiveInt = 1
+    workers_per_node: PositiveInt = 2
+    preset: str = "cpu"
+    memory_per_device_gb: float | None = Field(default=None, gt=0)
+    autoscaling: bool = Field(default=False, description="the cluster adds nodes on demand: wait for them")
+
+    @model_validator(mode="after")
+    def _known_preset(self) -> "HardwareSection":
+        if self.preset not in PRESETS:
+            raise ValueError(f"unknown preset {self.preset!r}; choose one of {sorted(PRESETS)}")
+        if PRESETS[self.preset].accelerator != self.accelerator:
+            raise ValueError(
+                f"preset {self.preset!r} is a {PRESETS[self.preset].accelerator} preset but accelerator is "
+                f"{self.accelerator!r}"
+            )
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.workers_per_node
+
+    @property
+    def memory_per_device_bytes(self) -> int:
+        if self.memory_per_device_gb is not None:
+            return int(self.memory_per_device_gb * 1024**3)
+        return PRESETS[self.preset].memory_bytes
+
+
+class PlannerSection(_Section):
+    name: Literal["ddp", "zero2", "zero3", "hsdp", "osdp", "manual"] = "osdp"
+    memory_limit_gb: float | None = Field(default=None, gt=0, description="defaults to the device memory")
+    hsdp_group_size: PositiveInt | None = None
+    plan_file: str | None = None
+
+    @model_validator(mode="after")
+    def _manual_needs_file(self) -> "PlannerSection":
+        if self.name == "manual":
+            if not self.plan_file:
+                raise ValueError("planner manual needs plan_file: a plan JSON to evaluate")
+            if not Path(self.plan_file).is_file():
+                raise ValueError(f"plan file {self.plan_file!r} does not exist")
+        return self
+
+
+class TrainSection(_Section):
+    steps: PositiveInt = 20
+    micro_batch_size: PositiveInt | Literal["auto"] = 4
+    global_batch_size: PositiveInt | None = None
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    lr: float = Field(default=1e-3, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    seed: int = 0
+    precision: Literal["fp32", "bf16-mixed"] = "fp32"
+    checkpoint_every: int = Field(default=0, ge=0, description="steps between checkpoints; 0 = never")
+
+
+class TrackingSection(_Section):
+    uri: str | None = Field(default=None, description="defaults to $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db")
+    experiment: str = "osdp-platform"
+
+    @property
+    def resolved_uri(self) -> str:
+        return self.uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
+
+
+class Recipe(_Section):
+    name: str = "run"
+    model: ModelSection
+    data: DataSection = Field(default_factory=DataSection)
+    hardware: HardwareSection = Field(default_factory=HardwareSection)
+    planner: PlannerSection = Field(default_factory=PlannerSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    tracking: TrackingSection = Field(default_factory=TrackingSection)
+
+    @model_validator(mode="after")
+    def _batch_consistent(self) -> "Recipe":
+        ws = self.hardware.world_size
+        g = self.planner.hsdp_group_size
+        if g is not None and ws % g:
+            raise ValueError(f"planner.hsdp_group_size {g} must divide the world size {ws}")
+        gb, mb = self.train.global_batch_size, self.train.micro_batch_size
+        if gb is not None:
+            if gb % ws:
+                raise ValueError(f"train.global_batch_size {gb} must be a multiple of the world size {ws}")
+            if mb != "auto" and gb % (mb * ws):
+                raise ValueError(
+                    f"train.global_batch_size {gb} must be a multiple of micro_batch_size x world size = {mb * ws}"
+                )
+        return self
+
+    @property
+    def memory_limit_bytes(self) -> int:
+        if self.planner.memory_limit_gb is not None:
+            return int(self.planner.memory_limit_gb * 1024**3)
+        return self.hardware.memory_per_device_bytes

@@ -1,0 +1,113 @@
+"""Load a recipe: YAML (OmegaConf: interpolation, `extends`, key=value overrides) -> validated Recipe."""
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from pydantic import BaseModel, ValidationError
+
+from osdp_platform.errors import UserError, UserErrors
+from osdp_platform.recipe import Recipe
+
+MAX_EXTENDS_DEPTH = 8
+
+
+def _load_yaml(path: Path, depth: int = 0) -> DictConfig:
+    """Read one recipe file, merged over the base recipe it `extends` (a path relative to it)."""
+    if not path.is_file():
+        raise UserError("recipe", str(path), "file does not exist", "pass the path of a recipe YAML file")
+    try:
+        cfg = OmegaConf.load(path)
+    except (OmegaConfBaseException, ValueError, OSError) as exc:
+        raise UserError("recipe", str(path), f"is not valid YAML ({exc})", "fix the YAML syntax") from None
+    if not isinstance(cfg, DictConfig):
+        raise UserError("recipe", str(path), "must be a mapping of sections", "start with `model:` etc.")
+    base = cfg.pop("extends", None)
+    if base is None:
+        return cfg
+    if depth >= MAX_EXTENDS_DEPTH:
+        raise UserError("extends", base, "chain is too deep (a cycle?)", "extend at most 8 levels")
+    base_cfg = _load_yaml((path.parent / str(base)).resolve(), depth + 1)
+    return OmegaConf.merge(base_cfg, cfg)  # type: ignore[return-value]
+
+
+def _apply_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise UserError("override", item, "is not key=value", "write it as section.key=value, e.g. train.steps=5")
+    try:
+        return OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))  # type: ignore[return-value]
+    except OmegaConfBaseException as exc:
+        problem = str(exc).splitlines()[0]
+        raise UserError("override", " ".join(overrides), problem, "check the key=value syntax") from None
+
+
+def _fields_at(loc: tuple[Any, ...]) -> list[str]:
+    """The valid keys of the section that `loc` points into, for 'did you mean' style fixes."""
+    model: type[BaseModel] = Recipe
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        ann = getattr(field, "annotation", None) if field else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return list(model.model_fields)
+
+
+def _fix_for(err: dict[str, Any]) -> str:
+    kind = err["type"]
+    loc = tuple(err["loc"])
+    if kind == "extra_forbidden":
+        return f"remove it; valid keys here: {', '.join(_fields_at(loc))}"
+    if kind == "missing":
+        return "add it to the recipe"
+    if kind in ("literal_error", "enum"):
+        return "use one of the values listed above"
+    if kind.endswith("_parsing") or kind.endswith("_type"):
+        return "give a value of the type named above"
+    return "change the value as described"
+
+
+def _to_user_errors(source: str, exc: ValidationError) -> UserErrors:
+    errors = []
+    for err in exc.errors():
+        loc = tuple(str(p) for p in err["loc"])
+        field = ".".join(p for p in loc if not p.startswith(("function-", "literal[")))
+        msg = err["msg"].removeprefix("Value error, ")
+        errors.append(UserError(field or "recipe", err.get("input"), msg, _fix_for(err)))
+    return UserErrors(source, errors)
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """Load, merge, resolve and validate; every user mistake becomes a UserError/UserErrors."""
+    path = Path(path)
+    cfg = _apply_overrides(_load_yaml(path), overrides or [])
+    try:
+        data = OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as exc:
+        raise UserError("recipe", str(path), f"interpolation failed: {str(exc).splitlines()[0]}",
+                        "point ${...} at an existing key") from None
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as exc:
+        raise _to_user_errors(str(path), exc) from None
+
+
+def recipe_to_yaml(recipe: Recipe) -> str:
+    return OmegaConf.to_yaml(OmegaConf.create(recipe.model_dump(mode="json")))
+
+
+def flatten(recipe: Recipe) -> dict[str, str]:
+    """Dotted key -> value, for MLflow params (which are flat strings)."""
+    out: dict[str, str] = {}
+
+    def walk(prefix: str, node: Any) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        else:
+            out[prefix] = str(node)
+
+    walk("", recipe.model_dump(mode="json"))
+    return out

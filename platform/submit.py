@@ -1,0 +1,123 @@
+"""`submit`: recipe -> planner actor -> Ray Train FSDP2 workers -> MLflow, with live progress."""
+
+import statistics
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from queue import Empty
+
+from ray.train import RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+from ray.util.queue import Queue
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from osdp_planners.plan import Plan
+from osdp_platform.cluster import check_cluster, check_local_devices, connect
+from osdp_platform.planning import plan_on_sample_worker
+from osdp_platform.recipe import Recipe
+from osdp_platform.tracking import RunTracker
+from osdp_platform.worker import train_loop
+
+
+@dataclass
+class RunSummary:
+    run_id: str
+    plan: Plan
+    steps: list[dict[str, float]] = field(default_factory=list)
+
+    def measured(self) -> dict[str, float]:
+        """Aggregates: timing from steps without a memory probe (the probe slows CPU steps)."""
+        timed = [s for s in self.steps[1:] if "peak_memory_bytes" not in s] or self.steps
+        peaks = [s["peak_memory_bytes"] for s in self.steps if "peak_memory_bytes" in s]
+        out = {
+            "first_loss": self.steps[0]["loss"],
+            "final_loss": self.steps[-1]["loss"],
+            "measured_step_time_s": statistics.median(s["step_time_s"] for s in timed),
+        }
+        out["measured_throughput_samples_per_s"] = self.plan.global_batch_size / out["measured_step_time_s"]
+        if peaks:
+            out["measured_peak_memory_bytes"] = max(peaks)
+        pred = self.plan.predicted
+        if pred.step_time_s:
+            out["step_time_ratio"] = out["measured_step_time_s"] / pred.step_time_s
+        if pred.peak_memory_bytes and peaks:
+            out["peak_memory_ratio"] = out["measured_peak_memory_bytes"] / pred.peak_memory_bytes
+        return out
+
+
+def _pump(queue: Queue, tracker: RunTracker, summary: RunSummary, progress: Progress, task: int,
+          done: threading.Event) -> None:
+    """Move per-step metrics from the workers to MLflow and the progress bar until training ends."""
+    while not (done.is_set() and queue.empty()):
+        try:
+            step, metrics = queue.get(timeout=0.25)
+        except Empty:
+            continue
+        summary.steps.append(metrics)
+        tracker.log_metrics(metrics, step=step)
+        progress.update(task, completed=step + 1,
+                        description=f"loss {metrics['loss']:.3f}  {metrics['tokens_per_s']:.0f} tok/s")
+
+
+def _table(recipe: Recipe, summary: RunSummary) -> Table:
+    m, plan = summary.measured(), summary.plan
+    table = Table(title=f"{recipe.name}: {plan.model} on {plan.world_size} worker(s), planner {plan.planner}")
+    table.add_column("metric")
+    table.add_column("measured", justify="right")
+    table.add_column("predicted", justify="right")
+    pred = plan.predicted
+    mib = 1024**2
+    table.add_row("loss (first -> final)", f"{m['first_loss']:.4f} -> {m['final_loss']:.4f}", "")
+    table.add_row("step time (s, median)", f"{m['measured_step_time_s']:.4f}",
+                  f"{pred.step_time_s:.4f}" if pred.step_time_s else "-")
+    table.add_row("throughput (samples/s)", f"{m['measured_throughput_samples_per_s']:.1f}",
+                  f"{pred.throughput_samples_per_s:.1f}" if pred.throughput_samples_per_s else "-")
+    table.add_row("peak memory (MiB, max over ranks)",
+                  f"{m['measured_peak_memory_bytes'] / mib:.1f}" if "measured_peak_memory_bytes" in m else "-",
+                  f"{pred.peak_memory_bytes / mib:.1f}" if pred.peak_memory_bytes else "-")
+    table.add_row("batch (micro x accum x workers)",
+                  f"{plan.micro_batch_size} x {plan.grad_accum_steps} x {plan.world_size}", "")
+    table.add_row("MLflow run", summary.run_id, "")
+    return table
+
+
+def submit(recipe: Recipe, address: str | None = None, console: Console | None = None) -> RunSummary:
+    console = console or Console()
+    check_local_devices(recipe, address)
+    connect(recipe, address)
+    check_cluster(recipe)
+    console.print(f"[bold]planning[/] {recipe.model.label} with planner {recipe.planner.name} on a sample worker")
+    plan = plan_on_sample_worker(recipe)
+    tracker = RunTracker.start(recipe, plan)
+    summary = RunSummary(tracker.run_id, plan)
+    queue = Queue(actor_options={"num_cpus": 0})
+    trainer = TorchTrainer(
+        train_loop,
+        train_loop_config={"recipe": recipe.model_dump(mode="json"), "plan": plan.model_dump(mode="json"),
+                           "queue": queue},
+        scaling_config=ScalingConfig(num_workers=recipe.hardware.world_size,
+                                     use_gpu=recipe.hardware.accelerator == "gpu",
+                                     resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(name=f"{recipe.name}-{tracker.run_id[:8]}",
+                             storage_path=str(Path("runs").resolve())),
+    )
+    done = threading.Event()
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("training", total=recipe.train.steps)
+        pump = threading.Thread(target=_pump, args=(queue, tracker, summary, progress, task, done), daemon=True)
+        pump.start()
+        try:
+            trainer.fit()
+        except BaseException:
+            tracker.finish("FAILED")
+            raise
+        finally:
+            done.set()
+            pump.join()
+    tracker.log_metrics(summary.measured(), step=recipe.train.steps)
+    tracker.finish()
+    console.print(_table(recipe, summary))
+    return summary

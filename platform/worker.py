@@ -1,0 +1,109 @@
+"""The per-worker training loop Ray Train runs: build, apply the plan, train, report every step."""
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from osdp_planners.plan import Plan
+from osdp_platform.apply import apply_plan
+from osdp_platform.data import BatchSampler, load_tokens
+from osdp_platform.memory import measure_step_peak
+from osdp_platform.models import build_model
+from osdp_platform.recipe import Recipe
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    step: int
+    loss: float
+    step_time_s: float
+    tokens_per_s: float
+    peak_memory_bytes: int | None  # measured on chosen steps only (see memory.py)
+
+    def as_dict(self) -> dict[str, float]:
+        out = {"loss": self.loss, "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s}
+        if self.peak_memory_bytes is not None:
+            out["peak_memory_bytes"] = float(self.peak_memory_bytes)
+        return out
+
+
+def memory_probe_steps(steps: int, device_type: str) -> set[int]:
+    """Steps whose peak memory is measured: all on CUDA; on CPU the 2nd (steady state) and the last."""
+    if device_type == "cuda":
+        return set(range(steps))
+    return {min(1, steps - 1), steps - 1}
+
+
+def build_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.Optimizer:
+    t = recipe.train
+    if t.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    return torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _reduce(value: float, op: dist.ReduceOp, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return float(t.item())
+
+
+def train_loop(config: dict[str, Any]) -> None:
+    """Ray Train entry point; `config` holds the recipe, the plan and the progress queue."""
+    import ray.train
+
+    recipe = Recipe.model_validate(config["recipe"])
+    plan = Plan.model_validate(config["plan"])
+    queue = config.get("queue")
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    device = ray.train.torch.get_device() if recipe.hardware.accelerator == "gpu" else torch.device("cpu")
+
+    torch.manual_seed(recipe.train.seed)
+    model = build_model(recipe.model, "cpu")
+    apply_plan(model, plan, device.type)
+    optimizer = build_optimizer(model, recipe)
+    sampler = BatchSampler(load_tokens(recipe.data, recipe.train.seed), plan.seq_len, recipe.train.seed)
+    probes = memory_probe_steps(recipe.train.steps, device.type)
+    tokens_per_step = plan.global_batch_size * plan.seq_len
+
+    for step in range(recipe.train.steps):
+        losses: list[float] = []
+
+        def one_step(step: int = step, losses: list[float] = losses) -> None:
+            for micro in range(plan.grad_accum_steps):
+                model.set_requires_gradient_sync(micro == plan.grad_accum_steps - 1)
+                x, y = sampler.rank_batch(step, micro, plan.micro_batch_size, rank, world)
+                loss = lm_loss(model(x.to(device)), y.to(device)) / plan.grad_accum_steps
+                loss.backward()
+                losses.append(float(loss.detach()))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        dist.barrier()
+        start = time.perf_counter()
+        peak = measure_step_peak(model, optimizer, one_step, device) if step in probes else None
+        if peak is None:
+            one_step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = _reduce(time.perf_counter() - start, dist.ReduceOp.MAX, device)
+        metrics = StepMetrics(
+            step=step,
+            loss=_reduce(sum(losses), dist.ReduceOp.SUM, device) / world,
+            step_time_s=elapsed,
+            tokens_per_s=tokens_per_step / elapsed,
+            peak_memory_bytes=int(_reduce(peak, dist.ReduceOp.MAX, device)) if peak is not None else None,
+        )
+        if rank == 0 and queue is not None:
+            queue.put((step, metrics.as_dict()))
+        ray.train.report(metrics.as_dict())
+    dist.barrier()

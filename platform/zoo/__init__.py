@@ -1,0 +1,50 @@
+"""Model zoo: plain PyTorch decoder LMs (llama, gpt2, opt) in named size presets.
+
+All families share one module layout (see :mod:`.layers`), so planners can treat any zoo model
+the same way. The caller chooses the device, e.g. ``with torch.device("meta"):`` for planning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch import nn
+
+from . import gpt2, llama, opt
+from .layers import ZooConfig, ZooModel
+
+FAMILIES: dict[str, dict[str, ZooConfig]] = {
+    "llama": llama.PRESETS,
+    "gpt2": gpt2.PRESETS,
+    "opt": opt.PRESETS,
+}
+
+_MODELS: dict[str, type[ZooModel]] = {"llama": llama.Llama, "gpt2": gpt2.GPT2, "opt": opt.OPT}
+
+
+def zoo_sizes() -> dict[str, list[str]]:
+    """Family -> its size names, in preset order."""
+    return {family: list(sizes) for family, sizes in FAMILIES.items()}
+
+
+def zoo_config(family: str, size: str, **overrides: int | float | None) -> ZooConfig:
+    """Resolve a preset plus overrides of its fields (n_layers, vocab_size, ...), e.g. a shallow OPT-30B."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown zoo family {family!r}; choose one of {sorted(FAMILIES)}")
+    sizes = FAMILIES[family]
+    if size not in sizes:
+        raise ValueError(f"unknown size {size!r} for zoo family {family!r}; choose one of {list(sizes)}")
+    fields = {f.name for f in dataclasses.fields(ZooConfig)} - {"family", "size"}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"unknown zoo model option(s) {unknown}; choose from {sorted(fields)}")
+    return dataclasses.replace(sizes[size], **{k: v for k, v in overrides.items() if v is not None})
+
+
+def build_zoo_model(family: str, size: str, **overrides: int | float | None) -> nn.Module:
+    """Construct and initialise a zoo model on the current default device."""
+    config = zoo_config(family, size, **overrides)
+    return _MODELS[family](config)
+
+
+__all__ = ["FAMILIES", "ZooConfig", "ZooModel", "build_zoo_model", "zoo_config", "zoo_sizes"]

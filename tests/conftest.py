@@ -1,0 +1,28 @@
+"""Shared fixtures: one real local Ray for the session, recipes written into a temp folder."""
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import ray
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[None]:
+    """A real local Ray (no dashboard), 4 logical CPUs so 4 gloo workers fit on 2 cores."""
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    tests_dir = str(Path(__file__).parent)  # workers unpickle loops defined in test modules
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": tests_dir}})
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Run in a temp folder so runs/ and mlflow.db never land in the repo."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    return tmp_path
