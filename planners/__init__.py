@@ -1,26 +1,75 @@
 """OSDP planners: decide per sharding unit how its parameters are held, and the batch size."""
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
 from torch import nn
 
+from osdp_planners.evaluate import Context
+from osdp_planners.osdp import Choice, best_uniform, infeasible, search_osdp, to_plan
 from osdp_planners.plan import Plan, Strategy
+from osdp_planners.profile import ModelProfile, profile_model
 from osdp_planners.request import PlanningError, PlanRequest
-from osdp_planners.uniform import uniform_plan
+from osdp_planners.time_model import Topology
+from osdp_planners.timing import MeasuredTimes, measure_times
+from osdp_planners.units import structure_hash
 
-__all__ = ["Plan", "PlanRequest", "PlanningError", "make_plan_for"]
-
-
-def _fixed_batch(req: PlanRequest) -> tuple[int, int]:
-    if req.micro_batch_size is None:
-        raise PlanningError("train.micro_batch_size", "auto", f"planner {req.planner!r} does not choose batch sizes",
-                            "give a number, or use planner.name=osdp")
-    if req.global_batch_size is None:
-        return req.micro_batch_size, 1
-    return req.micro_batch_size, req.global_batch_size // (req.micro_batch_size * req.world_size)
+__all__ = ["Plan", "PlanRequest", "PlanResult", "PlanningError", "make_plan_for"]
 
 
-def make_plan_for(model: nn.Module, req: PlanRequest) -> Plan:
-    """The plan `req.planner` makes for `model` (built on any device; meta is enough)."""
-    if req.planner in {s.value for s in Strategy}:
-        micro, accum = _fixed_batch(req)
-        return uniform_plan(model, req, Strategy(req.planner), micro, accum)
-    raise PlanningError("planner.name", req.planner, "is not a known planner", "use ddp, zero2, zero3 or hsdp")
+@dataclass(frozen=True)
+class PlanResult:
+    plan: Plan
+    context: Context
+
+
+Builder = Callable[[str], nn.Module]  # device name -> model constructed there
+
+
+def build_context(build: Builder, req: PlanRequest, measure_on: str | None) -> Context:
+    """Profile the model (fake tensors) and, where it runs here, time it for real."""
+    dtype = torch.bfloat16 if req.precision == "bf16-mixed" else torch.float32
+    profile: ModelProfile = profile_model(build, req.seq_len, req.token_range, dtype)
+    measured: MeasuredTimes | None = None
+    if measure_on is not None:
+        modules = {m.path: m.unit for m in profile.modules}
+        measured = measure_times(build, modules, req.seq_len, req.token_range, torch.device(measure_on))
+    return Context(profile, Topology(req.world_size, req.workers_per_node, req.device), measured,
+                   2 if req.precision == "bf16-mixed" else 4, req.optimizer, req.memory_limit_bytes)
+
+
+def _manual(model: nn.Module, req: PlanRequest, ctx: Context) -> Choice:
+    from osdp_planners.evaluate import evaluate
+    from osdp_planners.options import Option
+
+    if req.plan_file is None:
+        raise PlanningError("planner.plan_file", None, "the manual planner needs a plan file", "set planner.plan_file")
+    plan = Plan.from_file(req.plan_file)
+    if plan.structure_hash != structure_hash(model):
+        raise PlanningError("planner.plan_file", req.plan_file, "was made for another model (structure hash "
+                            f"{plan.structure_hash}, this model {structure_hash(model)})", "re-plan for this model")
+    if plan.world_size != req.world_size:
+        raise PlanningError("planner.plan_file", req.plan_file, f"is for {plan.world_size} workers, the pool has "
+                            f"{req.world_size}", "match hardware.nodes x workers_per_node to the plan")
+    options = {u.name: Option.of(u) for u in plan.units}
+    return Choice(options, plan.micro_batch_size, plan.grad_accum_steps,
+                  evaluate(ctx, options, plan.micro_batch_size, plan.grad_accum_steps))
+
+
+def make_plan_for(build: Builder, req: PlanRequest, measure_on: str | None = None) -> PlanResult:
+    """The plan `req.planner` makes for the model `build(device)` returns (here on meta and fake tensors)."""
+    model = build("meta")
+    ctx = build_context(build, req, measure_on)
+    if req.planner == "osdp":
+        choice = search_osdp(ctx, req)
+    elif req.planner == "manual":
+        choice = _manual(model, req, ctx)
+    elif req.planner in {s.value for s in Strategy}:
+        choice = best_uniform(ctx, req, Strategy(req.planner))
+    else:
+        raise PlanningError("planner.name", req.planner, "is not a known planner",
+                            "use osdp, manual, ddp, zero2, zero3 or hsdp")
+    if choice is None:
+        raise infeasible(ctx, req)
+    return PlanResult(to_plan(model, req, ctx, choice), ctx)

@@ -31,6 +31,7 @@ class PlanRequest:
     optimizer: str = "adamw"
     hsdp_group_size: int | None = None
     plan_file: str | None = None
+    token_range: int = 256  # token ids the data produces (bytes), used to drive profiling runs
 
     @property
     def world_size(self) -> int:

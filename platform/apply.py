@@ -52,8 +52,11 @@ def _policy(precision: str) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
-def apply_plan(model: nn.Module, plan: Plan, device_type: str) -> Meshes:
-    """Split, checkpoint-wrap and shard every unit as the plan says; the root takes what is left."""
+def apply_plan(model: nn.Module, plan: Plan, device_type: str, meshes: Meshes | None = None) -> Meshes:
+    """Split, checkpoint-wrap and shard every unit as the plan says; the root takes what is left.
+
+    Pass `meshes` to reuse process groups across models (each new mesh creates groups).
+    """
     if structure_hash(model) != plan.structure_hash:
         raise PlanMismatch(
             f"the plan was made for a model with structure hash {plan.structure_hash}, this model has "
@@ -63,7 +66,7 @@ def apply_plan(model: nn.Module, plan: Plan, device_type: str) -> Meshes:
     if set(linears) != {u.name for u in plan.units}:
         raise PlanMismatch(f"plan units {sorted(u.name for u in plan.units)} are not this model's units "
                            f"{sorted(linears)}: re-plan for this model")
-    meshes = Meshes(device_type, plan.world_size, {})
+    meshes = meshes or Meshes(device_type, plan.world_size, {})
     mp = _policy(plan.precision)
     root_unit = None
     for unit in plan.units:

@@ -38,7 +38,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     if args.command == "plan":
         from osdp_platform.planning import plan_recipe
 
-        plan = plan_recipe(recipe)
+        plan = plan_recipe(recipe).plan
         if args.out:
             Path(args.out).write_text(plan.to_json())
             console.print(f"plan written to {args.out}")

@@ -6,7 +6,7 @@ import ray
 import torch
 from ray.exceptions import RayTaskError
 
-from osdp_planners import Plan, PlanningError, PlanRequest, make_plan_for
+from osdp_planners import Plan, PlanningError, PlanRequest, PlanResult, make_plan_for
 from osdp_planners.hardware import get_preset
 from osdp_platform.errors import UserError
 from osdp_platform.models import build_model
@@ -34,10 +34,24 @@ def plan_request(recipe: Recipe) -> PlanRequest:
     )
 
 
-def plan_recipe(recipe: Recipe) -> Plan:
-    """Plan from the model built on the meta device: any size, no memory, no accelerator."""
-    model = build_model(recipe.model, device="meta")
-    return make_plan_for(model, plan_request(recipe))
+MEASURE_LIMIT_FRACTION = 0.2  # time the model for real only if its training states take under this share
+
+
+def measure_device(recipe: Recipe, param_count: int) -> str | None:
+    """Where this process can time the model for real: CPU pools here, GPU pools on a GPU worker."""
+    states = 16 * param_count  # fp32 params, grads and two AdamW moments
+    if recipe.hardware.accelerator == "cpu":
+        return "cpu" if states < MEASURE_LIMIT_FRACTION * recipe.hardware.memory_per_device_bytes else None
+    if torch.cuda.is_available() and states < MEASURE_LIMIT_FRACTION * recipe.hardware.memory_per_device_bytes:
+        return "cuda"
+    return None
+
+
+def plan_recipe(recipe: Recipe) -> PlanResult:
+    """Plan from the model on meta and fake tensors (any size, no accelerator); time it where it fits."""
+    meta = build_model(recipe.model, device="meta")
+    device = measure_device(recipe, sum(p.numel() for p in meta.parameters()))
+    return make_plan_for(lambda dev: build_model(recipe.model, dev), plan_request(recipe), measure_on=device)
 
 
 @ray.remote
@@ -46,7 +60,7 @@ class PlannerActor:
 
     def plan(self, recipe_json: dict[str, Any]) -> str:
         torch.set_num_threads(1)
-        return plan_recipe(Recipe.model_validate(recipe_json)).to_json()
+        return plan_recipe(Recipe.model_validate(recipe_json)).plan.to_json()
 
 
 def plan_on_sample_worker(recipe: Recipe) -> Plan:

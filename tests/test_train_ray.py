@@ -77,7 +77,7 @@ def test_uniform_planners_on_two_gloo_workers(ray_cluster: None) -> None:
     plans = {}
     for name in PLANNERS:
         plans[name] = plan_recipe(recipe.model_copy(update={"planner": recipe.planner.model_copy(
-            update={"name": name})})).model_dump(mode="json")
+            update={"name": name})})).plan.model_dump(mode="json")
     results = Queue(actor_options={"num_cpus": 0})
     trainer = TorchTrainer(_losses_per_planner,
                            train_loop_config={"recipe": recipe.model_dump(mode="json"), "plans": plans,

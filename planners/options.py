@@ -1,0 +1,43 @@
+"""What one unit can be: strategy x shard-group size x operator split x activation checkpointing."""
+
+from dataclasses import dataclass
+
+from osdp_planners.plan import Strategy, UnitPlan
+
+SPLITS = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class Option:
+    strategy: Strategy
+    group: int  # ranks a parameter is sharded over (1 for ddp)
+    split: int = 1
+    checkpoint: bool = False
+
+    @property
+    def holds_params(self) -> bool:
+        """DP and ZeRO-2 keep gathered parameters from their forward until their backward."""
+        return self.strategy in (Strategy.DDP, Strategy.ZERO2)
+
+    @classmethod
+    def of(cls, unit: UnitPlan) -> "Option":
+        return cls(unit.strategy, unit.shard_group_size, unit.split, unit.checkpoint)
+
+
+def strategy_choices(world_size: int, workers_per_node: int, nodes: int) -> list[tuple[Strategy, int]]:
+    """Every (strategy, group) the topology allows: HSDP groups divide the world and nest in nodes or span them."""
+    choices = [(Strategy.DDP, 1), (Strategy.ZERO2, world_size), (Strategy.ZERO3, world_size)]
+    for g in range(2, world_size):
+        inside = g <= workers_per_node and workers_per_node % g == 0
+        across = g > workers_per_node and g % workers_per_node == 0
+        if world_size % g == 0 and (inside or across or nodes == 1):
+            choices.append((Strategy.HSDP, g))
+    return choices
+
+
+def unit_options(world_size: int, workers_per_node: int, nodes: int, splittable: bool,
+                 checkpointable: bool) -> list[Option]:
+    splits = SPLITS if splittable else (1,)
+    ckpts = (False, True) if checkpointable else (False,)
+    return [Option(s, g, k, c) for s, g in strategy_choices(world_size, workers_per_node, nodes)
+            for k in splits for c in ckpts]

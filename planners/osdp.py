@@ -1,0 +1,147 @@
+"""The OSDP planner and the cost-model view of the uniform baselines.
+
+For every candidate micro batch it finds the fastest per-unit choice of strategy, shard group, split
+and checkpointing whose memory fits, then keeps the batch with the highest throughput (samples/s),
+not the shortest step, which would always favour the smallest batch.
+"""
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from osdp_planners.evaluate import Context, Evaluation, activation_local, candidates, evaluate, neighbour_buffers
+from osdp_planners.options import Option, unit_options
+from osdp_planners.plan import Baseline, Plan, Predicted, Strategy, UnitPlan
+from osdp_planners.request import PlanningError, PlanRequest
+from osdp_planners.search import solve
+from osdp_planners.uniform import group_size, make_plan
+
+MAX_MICRO_BATCH = 1024
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Choice:
+    options: dict[str, Option]
+    batch: int
+    accum: int
+    evaluation: Evaluation
+
+
+def batch_candidates(req: PlanRequest) -> list[tuple[int, int]]:
+    """(micro batch, accumulation steps) pairs the request allows."""
+    ws = req.world_size
+    if req.global_batch_size is not None:
+        per_rank = req.global_batch_size // ws
+        micros = [req.micro_batch_size] if req.micro_batch_size else [
+            b for b in range(1, per_rank + 1) if per_rank % b == 0]
+        return [(b, per_rank // b) for b in micros]
+    if req.micro_batch_size is not None:
+        return [(req.micro_batch_size, 1)]
+    sizes = []
+    b = 1
+    while b <= MAX_MICRO_BATCH:
+        sizes.append((b, 1))
+        b *= 2
+    return sizes
+
+
+def _splittable(ctx: Context, unit: str) -> bool:
+    return bool(ctx.profile.linear_bytes[unit])
+
+
+def _checkpointable(ctx: Context, unit: str) -> bool:
+    return any(m.unit == unit for m in ctx.profile.modules)
+
+
+def search_osdp(ctx: Context, req: PlanRequest) -> Choice | None:
+    """Best throughput over the batch candidates; None if no plan fits at any batch."""
+    units = [u.name for u in ctx.profile.units]
+    options = {u: unit_options(req.world_size, req.workers_per_node, req.nodes, _splittable(ctx, u),
+                               _checkpointable(ctx, u)) for u in units}
+    neighbours = neighbour_buffers(ctx)
+    best: Choice | None = None
+    for batch, accum in batch_candidates(req):
+        local = activation_local(ctx, batch)
+        local = {u: v + neighbours[u] for u, v in local.items()}
+        cands = [candidates(ctx, u, options[u], batch, accum, local[u]) for u in units]
+        found = solve(cands, ctx.memory_limit)
+        if found is None:
+            if req.global_batch_size is None:
+                break  # larger batches only need more memory
+            continue
+        chosen = {u: options[u][i] for u, i in zip(units, found.choice, strict=True)}
+        ev = evaluate(ctx, chosen, batch, accum)
+        if best is None or ev.throughput > best.evaluation.throughput:
+            best = Choice(chosen, batch, accum, ev)
+    if best is None:
+        # the search's bound is conservative; the smallest footprint may still fit when simulated
+        low = smallest_footprint(ctx, req)
+        return low if low.evaluation.peak_bytes <= ctx.memory_limit else None
+    return best
+
+
+def best_uniform(ctx: Context, req: PlanRequest, strategy: Strategy) -> Choice | None:
+    """A uniform strategy at its best-throughput batch whose simulated peak fits."""
+    opt = Option(strategy, group_size(strategy, req))
+    options = {u.name: opt for u in ctx.profile.units}
+    best: Choice | None = None
+    for batch, accum in batch_candidates(req):
+        ev = evaluate(ctx, options, batch, accum)
+        if ev.peak_bytes > ctx.memory_limit:
+            if req.global_batch_size is None:
+                break
+            continue
+        if best is None or ev.throughput > best.evaluation.throughput:
+            best = Choice(options, batch, accum, ev)
+    return best
+
+
+def smallest_footprint(ctx: Context, req: PlanRequest) -> Choice:
+    """The least memory any plan needs: everything ZeRO-3, split 8, checkpointed, the smallest batch."""
+    batch, accum = min(batch_candidates(req))
+    options = {u.name: Option(Strategy.ZERO3, req.world_size, 8 if _splittable(ctx, u.name) else 1,
+                              _checkpointable(ctx, u.name)) for u in ctx.profile.units}
+    return Choice(options, batch, accum, evaluate(ctx, options, batch, accum))
+
+
+def baselines(ctx: Context, req: PlanRequest) -> dict[str, Baseline]:
+    out = {}
+    for strategy in Strategy:
+        found = best_uniform(ctx, req, strategy)
+        if found is None:
+            out[strategy.value] = Baseline(fits=False)
+        else:
+            ev = found.evaluation
+            out[strategy.value] = Baseline(fits=True, micro_batch_size=found.batch,
+                                           peak_memory_bytes=int(ev.peak_bytes), step_time_s=ev.step_time_s,
+                                           throughput_samples_per_s=ev.throughput)
+    return out
+
+
+def infeasible(ctx: Context, req: PlanRequest) -> PlanningError:
+    low = smallest_footprint(ctx, req)
+    need = low.evaluation.peak_bytes
+    return PlanningError(
+        "planner.memory_limit_gb", round(ctx.memory_limit / GIB, 3),
+        f"no plan fits: the smallest footprint is {need / GIB:.3f} GiB per device (all units ZeRO-3, Linears "
+        f"split 8 ways, activation checkpointing, micro batch {low.batch})",
+        f"raise the memory limit to at least {need / GIB:.3f} GiB, add devices, or shorten data.seq_len",
+    )
+
+
+def to_plan(model: nn.Module, req: PlanRequest, ctx: Context, choice: Choice) -> Plan:
+    ev = choice.evaluation
+    units = [
+        UnitPlan(name=u.name, modules=list(u.modules), strategy=choice.options[u.name].strategy,
+                 shard_group_size=choice.options[u.name].group, split=choice.options[u.name].split,
+                 checkpoint=choice.options[u.name].checkpoint, param_count=u.param_count,
+                 predicted_memory_bytes=int(ev.unit_resident[u.name]), predicted_time_s=ev.unit_time_s[u.name])
+        for u in ctx.profile.units
+    ]
+    plan = make_plan(model, req, units, choice.batch, choice.accum)
+    return plan.model_copy(update={
+        "predicted": Predicted(peak_memory_bytes=int(ev.peak_bytes), step_time_s=ev.step_time_s,
+                               throughput_samples_per_s=ev.throughput),
+        "baselines": baselines(ctx, req),
+    })

@@ -1,0 +1,190 @@
+"""Per-unit profile of a model: activation memory over the step's timeline and FLOPs, batch-linear.
+
+The model runs unsharded, in one process, on fake tensors (no memory, any size), under a recorder
+of live tensor bytes: for every unit module it records the activation + temporary bytes live
+before, at the peak of and after its forward and its backward. Sharding does not change activations, so the cost
+model adds FSDP2's own memory on top of this timeline. Everything is measured at two batch sizes and
+fitted as a + b * batch (exact for transformers, whose activations scale with the batch).
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from osdp_planners.recorder import POINTS, Recorder
+from osdp_planners.units import Unit, find_units
+
+PROFILE_BATCHES = (1, 2)
+
+
+@dataclass(frozen=True)
+class Linear1:
+    """a + b * batch."""
+
+    a: float
+    b: float
+
+    def at(self, batch: int) -> float:
+        return self.a + self.b * batch
+
+    @classmethod
+    def fit(cls, v1: float, v2: float, b1: int, b2: int) -> "Linear1":
+        slope = (v2 - v1) / (b2 - b1)
+        return cls(v1 - slope * b1, slope)
+
+
+@dataclass(frozen=True)
+class ModuleProfile:
+    """Activation bytes (all units' activations live at that moment) at six points of one module."""
+
+    path: str
+    unit: str
+    pre_fw: Linear1
+    peak_fw: Linear1
+    post_fw: Linear1
+    pre_bw: Linear1
+    peak_bw: Linear1  # includes the module's own parameter gradients live at that peak
+    post_bw: Linear1
+    output: Linear1  # bytes of the module's output (kept by a checkpointed unit)
+    fwd_flops: Linear1  # backward is taken as 2x forward (two matmuls per forward matmul)
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    units: list[Unit]
+    modules: list[ModuleProfile]  # in forward execution order
+    param_bytes: dict[str, int]  # unit -> fp32 bytes of its parameters
+    linear_bytes: dict[str, list[int]]  # unit -> fp32 bytes of each Linear a split would slice
+    peak_loss: Linear1  # activation bytes at the peak between the last forward and the first backward
+
+
+def _run_once(model: nn.Module, modules: dict[str, str], batch: int, seq_len: int, vocab: int
+              ) -> tuple[list[str], dict[str, dict[str, float]], float]:
+    """One forward+backward; returns execution order, per-module readings, and the loss-region peak."""
+    order: list[str] = []
+    handles = [model.get_submodule(p).register_forward_pre_hook(lambda _m, _a, p=p: order.append(p))
+               for p in modules]
+    # drop each gradient once accumulated: FSDP2 frees unsharded grads at every unit's post-backward,
+    # so only the running unit's grads coexist with its backward activations, as here
+    recorder = Recorder({model.get_submodule(p): p for p in modules}, model)
+
+    def drop_grad(param: torch.Tensor) -> None:
+        if param.grad is not None:
+            recorder.forget(param.grad)
+        param.grad = None
+
+    handles += [p.register_post_accumulate_grad_hook(drop_grad) for p in model.parameters()]
+    x = torch.randint(0, vocab, (batch, seq_len))
+    with recorder.active():
+        logits = model(x)
+        before_loss = recorder.live
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x.reshape(-1))
+        loss_level = recorder.live
+        del logits
+        loss.backward()
+    for h in handles:
+        h.remove()
+    readings = {}
+    for path in modules:
+        r = recorder.readings[path]
+        readings[path] = {**{k: r.values[k] for k in POINTS}, "output": r.output, "fwd_flops": r.flops}
+    return order, readings, float(max(before_loss, loss_level))
+
+
+KEEP_BLOCKS = 2
+_LEVELS = POINTS
+
+
+def _signature(block: nn.Module) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    return tuple((n, tuple(p.shape)) for n, p in block.named_parameters())
+
+
+def _truncate_repeats(model: nn.Module) -> tuple[str, int] | None:
+    """Cut the longest list of identical blocks to KEEP_BLOCKS; the rest are extrapolated from them.
+
+    Fake-tensor dispatch costs about a millisecond per op, so a 70B model would take minutes to
+    trace; identical blocks record identical readings, shifted by the activations each one keeps.
+    """
+    best: tuple[str, nn.ModuleList] | None = None
+    for path, mod in model.named_modules():
+        if (isinstance(mod, nn.ModuleList) and len(mod) > KEEP_BLOCKS and len({_signature(b) for b in mod}) == 1
+                and (best is None or len(mod) > len(best[1]))):
+            best = (path, mod)
+    if best is None:
+        return None
+    path, blocks = best
+    parent_path, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent_path), name, nn.ModuleList(list(blocks)[:KEEP_BLOCKS]))
+    return path, len(blocks)
+
+
+def _expand(order: list[str], readings: dict[str, dict[str, float]], loss: float, blocks: tuple[str, int]
+            ) -> tuple[list[str], dict[str, dict[str, float]], float]:
+    """Readings of the full model from a run on its first KEEP_BLOCKS blocks (see _truncate_repeats)."""
+    list_path, n = blocks
+    prefix = f"{list_path}."
+
+    def index(path: str) -> int | None:
+        return int(path[len(prefix):].split(".")[0]) if path.startswith(prefix) else None
+
+    last = KEEP_BLOCKS - 1
+    per_block = sum(readings[p]["post_fw"] - readings[p]["pre_fw"] for p in order if index(p) == last)
+    last_pos = max(i for i, p in enumerate(order) if index(p) is not None)
+    out_order: list[str] = []
+    out: dict[str, dict[str, float]] = {}
+
+    def emit(path: str, values: dict[str, float], shift: float) -> None:
+        out_order.append(path)
+        out[path] = {k: v + shift if k in _LEVELS else v for k, v in values.items()}
+
+    for pos, path in enumerate(order):
+        idx = index(path)
+        if idx is None:
+            emit(path, readings[path], (n - KEEP_BLOCKS) * per_block if pos > last_pos else 0.0)
+        elif idx < last:
+            emit(path, readings[path], 0.0)
+        else:
+            rest = path[len(prefix):].partition(".")[2]
+            for i in range(last, n):
+                emit(f"{prefix}{i}.{rest}" if rest else f"{prefix}{i}", readings[path], (i - last) * per_block)
+    order_full = sorted(out_order, key=lambda p: (
+        (index(p) if index(p) is not None else (n if out_order.index(p) > last_pos else -1)), out_order.index(p)))
+    return order_full, out, loss + (n - KEEP_BLOCKS) * per_block
+
+
+def profile_model(build: Callable[[str], nn.Module], seq_len: int, vocab_size: int,
+                  dtype: torch.dtype = torch.float32) -> ModelProfile:
+    """Profile `build("cpu")` (constructed inside fake mode, so any size works) at two batch sizes.
+
+    `dtype` is the compute dtype: under bf16 mixed precision activations are bf16.
+    """
+    runs = []
+    default = torch.get_default_dtype()
+    with FakeTensorMode():
+        torch.set_default_dtype(dtype)
+        try:
+            model = build("cpu")
+        finally:
+            torch.set_default_dtype(default)
+        units = find_units(model)
+        unit_of = {m: u.name for u in units for m in u.modules if m}
+        param_bytes = {u.name: 4 * u.param_count for u in units}
+        linear_bytes = {u.name: [4 * sum(p.numel() for p in model.get_submodule(path).parameters())
+                                 for path in u.linears] for u in units}
+        blocks = _truncate_repeats(model)
+        live = {path for path, _ in model.named_modules()}
+        modules = {m: u for m, u in unit_of.items() if m in live}
+        for batch in PROFILE_BATCHES:
+            order, readings, loss = _run_once(model, modules, batch, seq_len, vocab_size)
+            runs.append(_expand(order, readings, loss, blocks) if blocks else (order, readings, loss))
+    (order, r1, loss1), (_, r2, loss2) = runs
+    b1, b2 = PROFILE_BATCHES
+    profiles = [
+        ModuleProfile(path, unit_of[path], **{k: Linear1.fit(r1[path][k], r2[path][k], b1, b2) for k in r1[path]})
+        for path in dict.fromkeys(order)
+    ]
+    return ModelProfile(units, profiles, param_bytes, linear_bytes, Linear1.fit(loss1, loss2, b1, b2))

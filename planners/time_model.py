@@ -1,0 +1,94 @@
+"""Step time of a plan: compute per unit, FSDP2's collectives by an alpha-beta model, the optimizer step.
+
+Collectives per micro step and unit (bytes as the ring moves them, (g-1)/g of the tensor):
+ZeRO-3 and HSDP gather in forward and again in backward and reduce-scatter the gradients (HSDP then
+all-reduces its 1/g shard across the replicas); ZeRO-2 gathers once; DP all-reduces the gradients.
+On GPUs FSDP2 runs collectives on their own streams, so a unit costs max(compute, communication);
+gloo on CPU blocks, so there they add. Each extra slice of a split operator adds one collective
+latency per gather and per reduction. The optimizer step scales with the parameters a rank owns.
+"""
+
+from dataclasses import dataclass
+
+from osdp_planners.hardware import DevicePreset, LinkSpec
+from osdp_planners.options import Option
+from osdp_planners.plan import Strategy
+from osdp_planners.profile import ModelProfile
+from osdp_planners.timing import MeasuredTimes
+
+BACKWARD_FLOPS_RATIO = 2.0
+ADAMW_BYTES_PER_PARAM = 40  # reads and writes of param, grad, two moments, and temporaries (fp32)
+
+
+@dataclass(frozen=True)
+class Topology:
+    world_size: int
+    workers_per_node: int
+    device: DevicePreset
+
+    def link(self, group: int) -> LinkSpec:
+        """A group that fits in a node talks over the node's links; a larger one is bound by the network."""
+        return self.device.intra_node if group <= self.workers_per_node else self.device.inter_node
+
+    def ring(self, nbytes: float, group: int, calls: int, factor: float = 1.0) -> float:
+        """Time of `calls` collectives moving `nbytes` in total among `group` ranks (ring algorithm)."""
+        if group <= 1:
+            return 0.0
+        link = self.link(group)
+        return calls * link.latency_s + factor * nbytes * (group - 1) / group / link.bandwidth_bytes_per_s
+
+    def replica_link(self, group: int) -> int:
+        """Ranks one shard is all-reduced across in HSDP (or DP): the replicas."""
+        return self.world_size // group
+
+
+@dataclass(frozen=True)
+class UnitTime:
+    compute_s: float
+    comm_s: float
+    total_s: float
+
+
+def compute_seconds(profile: ModelProfile, unit: str, batch: int, topo: Topology,
+                    measured: MeasuredTimes | None) -> tuple[float, float]:
+    """(forward, backward) seconds of one unit at a micro batch: measured if available, else from FLOPs."""
+    if measured is not None:
+        return measured.forward[unit].at(batch), measured.backward[unit].at(batch)
+    flops = sum(m.fwd_flops.at(batch) for m in profile.modules if m.unit == unit)
+    fwd = flops / topo.device.flops_per_s
+    return fwd, BACKWARD_FLOPS_RATIO * fwd
+
+
+def comm_seconds(profile: ModelProfile, unit: str, opt: Option, topo: Topology, compute_bytes: int) -> float:
+    """Communication of one unit in one micro step (gradients synchronised every micro step)."""
+    full = profile.param_bytes[unit]
+    gathered = full * compute_bytes / 4
+    n_linear = len(profile.linear_bytes[unit])
+    slices = 1 + (opt.split - 1) * n_linear if opt.split > 1 else 1  # collectives per pass
+    g = opt.group
+    if opt.strategy is Strategy.DDP:
+        return topo.ring(full, topo.world_size, slices, factor=2.0)
+    gathers = 1 if opt.strategy is Strategy.ZERO2 else 2
+    t = topo.ring(gathered, g, gathers * slices) + topo.ring(full, g, slices)
+    if opt.strategy is Strategy.HSDP:
+        t += topo.ring(full / g, topo.replica_link(g), slices, factor=2.0)
+    return t
+
+
+def unit_time(profile: ModelProfile, unit: str, opt: Option, batch: int, topo: Topology,
+              measured: MeasuredTimes | None, compute_bytes: int, overlap: bool) -> UnitTime:
+    fwd, bwd = compute_seconds(profile, unit, batch, topo, measured)
+    compute = fwd + bwd + (fwd if opt.checkpoint else 0.0)
+    comm = comm_seconds(profile, unit, opt, topo, compute_bytes)
+    total = max(compute, comm) if overlap else compute + comm
+    return UnitTime(compute, comm, total)
+
+
+def optimizer_seconds(profile: ModelProfile, options: dict[str, Option], topo: Topology,
+                      measured: MeasuredTimes | None) -> float:
+    """AdamW touches each owned parameter a fixed number of times: memory-bound, linear in the shard."""
+    if measured:
+        per_param = measured.optimizer_s_per_param
+    else:
+        per_param = ADAMW_BYTES_PER_PARAM / topo.device.memory_bandwidth_bytes_per_s
+    return sum(profile.param_bytes[u] / 4 / o.group * per_param for u, o in options.items())

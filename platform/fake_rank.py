@@ -1,0 +1,54 @@
+"""Stand in for one rank of an N-rank job inside this process: fake process group + fake tensors.
+
+FSDP2 runs its real code paths (sharding, all-gather buffers, resharding, reduce-scatter) while no
+tensor holds memory and no collective moves data, so FSDP2's memory tracker reports what that rank
+would hold. This is how the cost model's memory predictions are checked on a machine without the pool.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from osdp_planners.plan import Plan
+from osdp_platform.apply import Meshes, apply_plan
+from osdp_platform.worker import lm_loss
+
+
+@dataclass(frozen=True)
+class FakeRankMemory:
+    peak_bytes: int
+    breakdown: dict[str, int]  # tracker category -> bytes at the peak
+
+
+def measure_fake_rank(build: Callable[[], nn.Module], plan: Plan, vocab_size: int, rank: int = 0,
+                      iterations: int = 2, optimizer: str = "adamw") -> FakeRankMemory:
+    """Peak memory of `rank` for one steady-state training step under `plan` (step 2 onwards)."""
+    dist.init_process_group("fake", rank=rank, world_size=plan.world_size, store=FakeStore())
+    try:
+        meshes = Meshes("cpu", plan.world_size, {})
+        for g in {u.shard_group_size for u in plan.units} | {plan.world_size}:
+            meshes.for_group(g)  # meshes must exist before fake mode
+        with FakeTensorMode():
+            model = build()
+            apply_plan(model, plan, "cpu", meshes=meshes)
+            opt_cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
+            opt = opt_cls(model.parameters(), lr=1e-3)
+            x = torch.randint(0, vocab_size, (plan.micro_batch_size, plan.seq_len))
+            result = FakeRankMemory(0, {})
+            for _ in range(iterations):
+                tracker = FSDPMemTracker(model, opt)
+                with tracker:
+                    lm_loss(model(x), x).backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                snap = next(iter(tracker.get_tracker_snapshot("peak").values()))
+                result = FakeRankMemory(int(snap["Total"]), {k: int(v) for k, v in snap.items() if k != "Total"})
+            return result
+    finally:
+        dist.destroy_process_group()
