@@ -24,6 +24,9 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=5")
     sub.choices["plan"].add_argument("--out", help="write the plan JSON here")
     sub.choices["submit"].add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS or local)")
+    sub.choices["submit"].add_argument("--resume", metavar="RUN_ID",
+                                       help="continue from the last checkpoint of this earlier run (MLflow run "
+                                            "id), as a new run; the plan and worker count may differ")
     return parser
 
 
@@ -47,7 +50,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         return 0
     from osdp_platform.submit import submit
 
-    submit(recipe, address=args.address, console=console)
+    submit(recipe, address=args.address, console=console, resume=args.resume)
     return 0
 
 

@@ -119,6 +119,8 @@ class TrainSection(_Section):
     seed: int = 0
     precision: Literal["fp32", "bf16-mixed"] = "fp32"
     checkpoint_every: int = Field(default=0, ge=0, description="steps between checkpoints; 0 = never")
+    max_failures: int = Field(default=1, ge=-1, description="worker-failure restarts from the last checkpoint; "
+                                                         "-1 = unlimited")
 
 
 class TrackingSection(_Section):

@@ -2,11 +2,13 @@
 
 import statistics
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from queue import Empty
+from typing import Any
 
-from ray.train import RunConfig, ScalingConfig
+from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 from ray.util.queue import Queue
 from rich.console import Console
@@ -14,6 +16,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from osdp_planners.plan import Plan
+from osdp_platform.checkpoint import (
+    CHECKPOINT_PATH_TAG,
+    CHECKPOINT_STEP_TAG,
+    CheckpointSaved,
+    check_resumable,
+    find_resume_point,
+)
 from osdp_platform.cluster import check_cluster, check_local_devices, connect
 from osdp_platform.planning import plan_on_sample_worker
 from osdp_platform.recipe import Recipe
@@ -26,6 +35,12 @@ class RunSummary:
     run_id: str
     plan: Plan
     steps: list[dict[str, float]] = field(default_factory=list)
+    first_step: int = 0  # above 0 when resumed from a checkpoint
+
+    def record(self, step: int, metrics: dict[str, float]) -> None:
+        """Keep one entry per step: a restart from a checkpoint re-runs steps, and the re-run wins."""
+        del self.steps[step - self.first_step:]
+        self.steps.append(metrics)
 
     def measured(self) -> dict[str, float]:
         """Aggregates: timing from steps without a memory probe (the probe slows CPU steps)."""
@@ -52,10 +67,15 @@ def _pump(queue: Queue, tracker: RunTracker, summary: RunSummary, progress: Prog
     """Move per-step metrics from the workers to MLflow and the progress bar until training ends."""
     while not (done.is_set() and queue.empty()):
         try:
-            step, metrics = queue.get(timeout=0.25)
+            item = queue.get(timeout=0.25)
         except Empty:
             continue
-        summary.steps.append(metrics)
+        if isinstance(item, CheckpointSaved):
+            tracker.client.set_tag(tracker.run_id, CHECKPOINT_PATH_TAG, item.path)
+            tracker.client.set_tag(tracker.run_id, CHECKPOINT_STEP_TAG, str(item.step))
+            continue
+        step, metrics = item
+        summary.record(step, metrics)
         tracker.log_metrics(metrics, step=step)
         progress.update(task, completed=step + 1,
                         description=f"loss {metrics['loss']:.3f}  {metrics['tokens_per_s']:.0f} tok/s")
@@ -83,30 +103,45 @@ def _table(recipe: Recipe, summary: RunSummary) -> Table:
     return table
 
 
-def submit(recipe: Recipe, address: str | None = None, console: Console | None = None) -> RunSummary:
+def submit(recipe: Recipe, address: str | None = None, console: Console | None = None, resume: str | None = None,
+           train_fn: Callable[[dict[str, Any]], None] = train_loop) -> RunSummary:
+    """Plan and train `recipe`; `resume` is an earlier run's MLflow id to continue from its last checkpoint.
+
+    A resumed run is a new MLflow run (tagged resumed_from_run): it may use another plan or worker count,
+    and one run's params and predictions describe one plan. `train_fn` wraps or replaces the worker loop.
+    """
     console = console or Console()
     check_local_devices(recipe, address)
+    point = find_resume_point(recipe, resume) if resume else None
     connect(recipe, address)
     check_cluster(recipe)
     console.print(f"[bold]planning[/] {recipe.model.label} with planner {recipe.planner.name} on a sample worker")
     plan = plan_on_sample_worker(recipe)
+    if point is not None:
+        check_resumable(point, recipe, plan)
     tracker = RunTracker.start(recipe, plan)
-    summary = RunSummary(tracker.run_id, plan)
+    summary = RunSummary(tracker.run_id, plan, first_step=point.step if point else 0)
+    if point is not None:
+        for key, value in (("resumed_from_run", point.run_id), ("resumed_from_checkpoint", point.path),
+                           ("resumed_at_step", str(point.step))):
+            tracker.client.set_tag(tracker.run_id, key, value)
+        console.print(f"resuming run {point.run_id} at step {point.step} from {point.path}")
     queue = Queue(actor_options={"num_cpus": 0})
     trainer = TorchTrainer(
-        train_loop,
+        train_fn,
         train_loop_config={"recipe": recipe.model_dump(mode="json"), "plan": plan.model_dump(mode="json"),
-                           "queue": queue},
+                           "queue": queue, "resume_from": point.path if point else None},
         scaling_config=ScalingConfig(num_workers=recipe.hardware.world_size,
                                      use_gpu=recipe.hardware.accelerator == "gpu",
                                      resources_per_worker={"CPU": 1}),
         run_config=RunConfig(name=f"{recipe.name}-{tracker.run_id[:8]}",
-                             storage_path=str(Path("runs").resolve())),
+                             storage_path=str(Path("runs").resolve()),
+                             failure_config=FailureConfig(max_failures=recipe.train.max_failures)),
     )
     done = threading.Event()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
-        task = progress.add_task("training", total=recipe.train.steps)
+        task = progress.add_task("training", total=recipe.train.steps, completed=summary.first_step)
         pump = threading.Thread(target=_pump, args=(queue, tracker, summary, progress, task, done), daemon=True)
         pump.start()
         try:

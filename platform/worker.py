@@ -1,6 +1,7 @@
-"""The per-worker training loop Ray Train runs: build, apply the plan, train, report every step."""
+"""The per-worker training loop Ray Train runs: build, apply the plan, restore, train, report every step."""
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,6 +12,7 @@ from torch import nn
 
 from osdp_planners.plan import Plan
 from osdp_platform.apply import apply_plan
+from osdp_platform.checkpoint import CheckpointSaved, restore, save_and_report, should_save
 from osdp_platform.data import BatchSampler, load_tokens
 from osdp_platform.memory import measure_step_peak
 from osdp_platform.models import build_model
@@ -56,8 +58,13 @@ def _reduce(value: float, op: dist.ReduceOp, device: torch.device) -> float:
     return float(t.item())
 
 
-def train_loop(config: dict[str, Any]) -> None:
-    """Ray Train entry point; `config` holds the recipe, the plan and the progress queue."""
+def train_loop(config: dict[str, Any], on_step: Callable[[int], None] | None = None) -> None:
+    """Ray Train entry point; `config` holds the recipe, the plan, the progress queue and `resume_from`.
+
+    Starts from the newest checkpoint (see checkpoint.restore) at its step: the sampler is keyed by step,
+    so the data continues exactly. `on_step(step)` runs before each step (wrappers use it, e.g. tests
+    injecting a fault).
+    """
     import ray.train
 
     recipe = Recipe.model_validate(config["recipe"])
@@ -71,11 +78,14 @@ def train_loop(config: dict[str, Any]) -> None:
     model = build_model(recipe.model, "cpu")
     apply_plan(model, plan, device.type)
     optimizer = build_optimizer(model, recipe)
+    first = restore(model, optimizer, config.get("resume_from"))
     sampler = BatchSampler(load_tokens(recipe.data, recipe.train.seed), plan.seq_len, recipe.train.seed)
     probes = memory_probe_steps(recipe.train.steps, device.type)
     tokens_per_step = plan.global_batch_size * plan.seq_len
 
-    for step in range(recipe.train.steps):
+    for step in range(first, recipe.train.steps):
+        if on_step is not None:
+            on_step(step)
         losses: list[float] = []
 
         def one_step(step: int = step, losses: list[float] = losses) -> None:
@@ -105,5 +115,10 @@ def train_loop(config: dict[str, Any]) -> None:
         )
         if rank == 0 and queue is not None:
             queue.put((step, metrics.as_dict()))
-        ray.train.report(metrics.as_dict())
+        if should_save(step, recipe.train.checkpoint_every, recipe.train.steps):
+            path = save_and_report(model, optimizer, step + 1, metrics.as_dict())
+            if path is not None and queue is not None:
+                queue.put(CheckpointSaved(step + 1, path))
+        else:
+            ray.train.report(metrics.as_dict())
     dist.barrier()

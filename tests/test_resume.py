@@ -1,0 +1,149 @@
+"""Checkpoint and resume on real Ray Train workers: DCP files, a killed worker, `--resume` under a new plan.
+
+Three trainings share one MLflow store: an uninterrupted reference (8 steps, 2 workers, ZeRO-3), a run
+whose worker 1 exits hard before step 3 on its first attempt (checkpoints every 2 steps), and a
+`--resume` of that run on 4 workers under DDP. Both must reproduce the reference's per-step losses.
+"""
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from helpers import RECIPES
+from osdp_planners.plan import Plan
+from osdp_platform.cli import EXIT_USER_ERROR, main
+from osdp_platform.recipe_loader import load_recipe
+from osdp_platform.submit import RunSummary, submit
+from osdp_platform.worker import train_loop
+
+REFERENCE_STEPS = 8
+FAULT_STEPS = 6
+FAULT_AT = 3
+BASE = ["data.seq_len=32", "train.micro_batch_size=4"]  # global batch 8 on 2 workers
+
+
+@dataclass(frozen=True)
+class KillOnce:
+    """Train loop wrapper: worker rank 1 exits hard before step `at` the first time (the marker remembers)."""
+
+    marker: str
+    at: int
+
+    def __call__(self, config: dict[str, Any]) -> None:
+        train_loop(config, on_step=self._maybe_die)
+
+    def _maybe_die(self, step: int) -> None:
+        import ray.train
+
+        if step == self.at and ray.train.get_context().get_world_rank() == 1 and not Path(self.marker).exists():
+            Path(self.marker).touch()
+            os._exit(1)
+
+
+@dataclass(frozen=True)
+class Store:
+    root: Path
+
+    @property
+    def uri(self) -> str:
+        return f"sqlite:///{self.root}/mlflow.db"
+
+    def overrides(self, *extra: str) -> list[str]:
+        return [*BASE, f"tracking.uri={self.uri}", *extra]
+
+    def losses(self, run_id: str) -> list[tuple[int, float]]:
+        """(step, loss) in logging order: a re-run step appears once per run of it."""
+        history = MlflowClient(self.uri).get_metric_history(run_id, "loss")
+        return [(m.step, m.value) for m in sorted(history, key=lambda m: (m.timestamp, m.step))]
+
+
+@pytest.fixture(scope="module")
+def store(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
+    """One temp folder (runs/, mlflow.db) for the module's runs, which build on one another."""
+    root = tmp_path_factory.mktemp("resume")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(root)
+        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+        mp.delenv("RAY_ADDRESS", raising=False)
+        yield Store(root)
+
+
+@pytest.fixture(scope="module")
+def reference(store: Store) -> list[float]:
+    summary = submit(load_recipe(RECIPES / "tiny.yaml", store.overrides(f"train.steps={REFERENCE_STEPS}")))
+    return [s["loss"] for s in summary.steps]
+
+
+@pytest.fixture(scope="module")
+def faulty(store: Store) -> RunSummary:
+    recipe = load_recipe(RECIPES / "tiny.yaml", store.overrides(f"train.steps={FAULT_STEPS}",
+                                                                "train.checkpoint_every=2"))
+    return submit(recipe, train_fn=KillOnce(str(store.root / "killed"), FAULT_AT))
+
+
+def test_killed_worker_resumes_from_last_checkpoint(store: Store, reference: list[float],
+                                                    faulty: RunSummary) -> None:
+    assert (store.root / "killed").exists(), "the fault never fired"
+    logged = store.losses(faulty.run_id)
+    # step 2 ran twice: before the kill, and again after the restart from the checkpoint at step 2
+    assert [step for step, _ in logged] == [0, 1, 2, 2, 3, 4, 5]
+    for step, loss in logged:
+        assert loss == pytest.approx(reference[step], rel=1e-6), step
+    assert [s["loss"] for s in faulty.steps] == pytest.approx(reference[:FAULT_STEPS], rel=1e-6)
+    tags = MlflowClient(store.uri).get_run(faulty.run_id).data.tags
+    assert tags["checkpoint_step"] == str(FAULT_STEPS)
+    folder = Path(tags["checkpoint_path"])
+    assert folder.name == f"checkpoint_{FAULT_STEPS:06d}" and folder.parent.parent == store.root / "runs"
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= {p.name for p in folder.iterdir()}
+
+
+def test_resume_under_another_plan_and_worker_count(store: Store, reference: list[float],
+                                                    faulty: RunSummary) -> None:
+    recipe = load_recipe(RECIPES / "tiny.yaml", store.overrides(
+        f"train.steps={REFERENCE_STEPS}", "planner.name=ddp", "hardware.workers_per_node=4",
+        "train.micro_batch_size=2", "train.global_batch_size=8"))
+    summary = submit(recipe, resume=faulty.run_id)
+    assert summary.plan.planner == "ddp" and summary.plan.world_size == 4
+    logged = store.losses(summary.run_id)
+    assert [step for step, _ in logged] == list(range(FAULT_STEPS, REFERENCE_STEPS))
+    for step, loss in logged:
+        assert loss == pytest.approx(reference[step], rel=1e-5), step
+    tags = MlflowClient(store.uri).get_run(summary.run_id).data.tags
+    assert tags["resumed_from_run"] == faulty.run_id
+    assert tags["resumed_at_step"] == str(FAULT_STEPS)
+
+
+def _submit_cli(store: Store, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    code = main(["submit", str(RECIPES / "tiny.yaml"), *store.overrides(), *args])
+    return code, capsys.readouterr().err
+
+
+def test_resume_refuses_what_it_cannot_continue(store: Store, reference: list[float], faulty: RunSummary,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = _submit_cli(store, capsys, "--resume", "0123456789abcdef")
+    assert code == EXIT_USER_ERROR and "--resume = '0123456789abcdef'" in err and "no MLflow run" in err
+    runs = MlflowClient(store.uri).search_runs(
+        [MlflowClient(store.uri).get_experiment_by_name("osdp-tiny").experiment_id])
+    unsaved = next(r.info.run_id for r in runs if "checkpoint_path" not in r.data.tags)
+    code, err = _submit_cli(store, capsys, "--resume", unsaved)
+    assert code == EXIT_USER_ERROR and "wrote no checkpoint" in err and "train.checkpoint_every" in err
+    code, err = _submit_cli(store, capsys, f"train.steps={FAULT_STEPS}", "--resume", faulty.run_id)
+    assert code == EXIT_USER_ERROR and f"train.steps = {FAULT_STEPS}" in err and f"above {FAULT_STEPS}" in err
+
+
+def test_resume_refuses_another_split_factor(store: Store, faulty: RunSummary,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """Documented limitation: splitting renames parameters, so a resume must keep the split factors."""
+    split = faulty.plan.model_copy(update={"units": [
+        u.model_copy(update={"split": 2}) if u.name == "layers.0.mlp" else u for u in faulty.plan.units]})
+    plan_file = store.root / "split-plan.json"
+    plan_file.write_text(split.to_json())
+    assert Plan.from_file(plan_file).units != faulty.plan.units
+    code, err = _submit_cli(store, capsys, "planner.name=manual", f"planner.plan_file={plan_file}",
+                            f"train.steps={REFERENCE_STEPS}", "--resume", faulty.run_id)
+    assert code == EXIT_USER_ERROR and "layers.0.mlp 1 -> 2" in err and "split factor" in err
