@@ -1,7 +1,7 @@
 """Stand in for one rank of an N-rank job inside this process: fake process group + fake tensors.
 
 FSDP2 runs its real code paths (sharding, all-gather buffers, resharding, reduce-scatter) while no
-tensor holds memory and no collective moves data, so FSDP2's memory tracker reports what that rank
+tensor holds memory and no collective moves data, so torch's memory tracker reports what that rank
 would hold. This is how the cost model's memory predictions are checked on a machine without the pool.
 """
 
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from osdp_planners.plan import Plan
@@ -42,7 +42,8 @@ def measure_fake_rank(build: Callable[[], nn.Module], plan: Plan, vocab_size: in
             x = torch.randint(0, vocab_size, (plan.micro_batch_size, plan.seq_len))
             result = FakeRankMemory(0, {})
             for _ in range(iterations):
-                tracker = FSDPMemTracker(model, opt)
+                tracker = MemTracker()  # same totals as FSDPMemTracker, which rejects tied-module units
+                tracker.track_external(model, opt)
                 with tracker:
                     lm_loss(model(x), x).backward()
                     opt.step()

@@ -1,14 +1,15 @@
 """Measured peak memory of one training step on this rank.
 
-CUDA: the caching allocator's peak. CPU has no allocator statistics, so FSDP2's memory tracker counts
-live tensor storages instead; it slows every op, so the caller measures only chosen steps.
+CUDA: the caching allocator's peak. CPU has no allocator statistics, so torch's MemTracker counts
+live tensor storages instead (the same totals as FSDP2's own tracker, which rejects units of tied
+modules); it slows every op, so the caller measures only chosen steps.
 """
 
 from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
 
 
 def measure_step_peak(model: nn.Module, optimizer: torch.optim.Optimizer, step: Callable[[], None],
@@ -20,7 +21,8 @@ def measure_step_peak(model: nn.Module, optimizer: torch.optim.Optimizer, step: 
         step()
         torch.cuda.synchronize(device)
         return int(torch.cuda.max_memory_allocated(device))
-    tracker = FSDPMemTracker(model, optimizer)
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
     with tracker:
         step()
     peaks = tracker.get_tracker_snapshot("peak")
