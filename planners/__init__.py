@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from osdp_planners.comm_profile import CommProfile, cached_comm
 from osdp_planners.evaluate import Context
 from osdp_planners.osdp import Choice, best_uniform, infeasible, search_osdp, to_plan
 from osdp_planners.plan import Plan, Strategy
@@ -32,10 +33,16 @@ def build_context(build: Builder, req: PlanRequest, measure_on: str | None) -> C
     dtype = torch.bfloat16 if req.precision == "bf16-mixed" else torch.float32
     profile: ModelProfile = profile_model(build, req.seq_len, req.token_range, dtype)
     measured: MeasuredTimes | None = None
+    comm: CommProfile | None = None
     if measure_on is not None:
         modules = {m.path: m.unit for m in profile.modules}
-        measured = measure_times(build, modules, req.seq_len, req.token_range, torch.device(measure_on))
-    return Context(profile, Topology(req.world_size, req.workers_per_node, req.device), measured,
+        flops: dict[str, float] = {}
+        for m in profile.modules:
+            flops[m.unit] = flops.get(m.unit, 0.0) + m.fwd_flops.at(1)
+        measured = measure_times(build, modules, req.seq_len, req.token_range, torch.device(measure_on), flops)
+        if measure_on == "cpu" and req.world_size > 1:
+            comm = cached_comm(req.world_size)
+    return Context(profile, Topology(req.world_size, req.workers_per_node, req.device, comm), measured,
                    2 if req.precision == "bf16-mixed" else 4, req.optimizer, req.memory_limit_bytes)
 
 

@@ -25,9 +25,13 @@ class Option:
 
 
 def strategy_choices(world_size: int, workers_per_node: int, nodes: int) -> list[tuple[Strategy, int]]:
-    """Every (strategy, group) the topology allows: HSDP groups divide the world and nest in nodes or span them."""
+    """Every (strategy, group) the topology allows: HSDP groups divide the world and nest in nodes or span them.
+
+    HSDP with groups of 1 is replication that frees the gathered copy after forward (DP without
+    FSDP2's second full copy), so it is a choice of its own.
+    """
     choices = [(Strategy.DDP, 1), (Strategy.ZERO2, world_size), (Strategy.ZERO3, world_size)]
-    for g in range(2, world_size):
+    for g in range(1, world_size):
         inside = g <= workers_per_node and workers_per_node % g == 0
         across = g > workers_per_node and g % workers_per_node == 0
         if world_size % g == 0 and (inside or across or nodes == 1):

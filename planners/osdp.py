@@ -74,10 +74,13 @@ def search_osdp(ctx: Context, req: PlanRequest) -> Choice | None:
         ev = evaluate(ctx, chosen, batch, accum)
         if best is None or ev.throughput > best.evaluation.throughput:
             best = Choice(chosen, batch, accum, ev)
-    if best is None:
-        # the search's bound is conservative; the smallest footprint may still fit when simulated
-        low = smallest_footprint(ctx, req)
-        return low if low.evaluation.peak_bytes <= ctx.memory_limit else None
+    # the search's bound is conservative: a uniform plan, or the smallest footprint, may fit when
+    # simulated and beat it; OSDP never returns less than the best of them
+    others = [best_uniform(ctx, req, s) for s in Strategy] + [smallest_footprint(ctx, req)]
+    for other in others:
+        if other is not None and other.evaluation.peak_bytes <= ctx.memory_limit and (
+                best is None or other.evaluation.throughput > best.evaluation.throughput):
+            best = other
     return best
 
 

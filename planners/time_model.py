@@ -10,6 +10,7 @@ latency per gather and per reduction. The optimizer step scales with the paramet
 
 from dataclasses import dataclass
 
+from osdp_planners.comm_profile import CommProfile
 from osdp_planners.hardware import DevicePreset, LinkSpec
 from osdp_planners.options import Option
 from osdp_planners.plan import Strategy
@@ -25,6 +26,7 @@ class Topology:
     world_size: int
     workers_per_node: int
     device: DevicePreset
+    measured: CommProfile | None = None  # CPU pools: gloo and FSDP2 costs measured on this host
 
     def link(self, group: int) -> LinkSpec:
         """A group that fits in a node talks over the node's links; a larger one is bound by the network."""
@@ -59,12 +61,31 @@ def compute_seconds(profile: ModelProfile, unit: str, batch: int, topo: Topology
     return fwd, BACKWARD_FLOPS_RATIO * fwd
 
 
+def _measured_comm(comm: CommProfile, full: float, gathered: float, opt: Option, slices: int, world: int
+                   ) -> float:
+    """Measured per-unit FSDP2 cost per slice plus the bytes at the measured bus bandwidths."""
+    g = opt.group
+    strategy = "zero3" if opt.strategy is Strategy.HSDP else opt.strategy.value
+    t = comm.unit_cost_s[strategy] * slices
+    if opt.strategy is Strategy.DDP:
+        return t + 2 * full * (world - 1) / world / comm.bandwidth["all_reduce"]
+    gathers = 1 if opt.strategy is Strategy.ZERO2 else 2
+    t += gathers * gathered * (g - 1) / g / comm.bandwidth["all_gather"]
+    t += full * (g - 1) / g / comm.bandwidth["reduce_scatter"]
+    if opt.strategy is Strategy.HSDP:
+        r = world // g
+        t += 2 * full / g * (r - 1) / r / comm.bandwidth["all_reduce"]
+    return t
+
+
 def comm_seconds(profile: ModelProfile, unit: str, opt: Option, topo: Topology, compute_bytes: int) -> float:
     """Communication of one unit in one micro step (gradients synchronised every micro step)."""
     full = profile.param_bytes[unit]
     gathered = full * compute_bytes / 4
     n_linear = len(profile.linear_bytes[unit])
     slices = 1 + (opt.split - 1) * n_linear if opt.split > 1 else 1  # collectives per pass
+    if topo.measured is not None:
+        return _measured_comm(topo.measured, full, gathered, opt, slices, topo.world_size)
     g = opt.group
     if opt.strategy is Strategy.DDP:
         return topo.ring(full, topo.world_size, slices, factor=2.0)

@@ -1,4 +1,4 @@
-"""Measured compute time per unit on the sample worker: real tensors, forward and backward, two batches.
+"""Measured compute time on the sample worker: real tensors, forward and backward, two batches.
 
 Used when the model fits on the worker (always for CPU pools, whose presets carry no reliable FLOP
 rate); otherwise the cost model falls back to FLOPs over the preset's sustained rate.
@@ -67,20 +67,28 @@ def _time_units(model: nn.Module, modules: dict[str, str], x: torch.Tensor, devi
 
 
 def measure_times(build: Callable[[str], nn.Module], modules: dict[str, str], seq_len: int, vocab_size: int,
-                  device: torch.device) -> MeasuredTimes:
-    """Median of REPEATS timed steps at each of TIMING_BATCHES, fitted linear in the batch."""
+                  device: torch.device, flops: dict[str, float]) -> MeasuredTimes:
+    """Whole-model forward and backward times (median of REPEATS) at two batches, shared out by FLOPs.
+
+    Hook timings of single small units are noise on a busy CPU; the whole pass is stable, and a
+    unit's share of it follows its share of the FLOPs. Fits are clamped to be non-negative.
+    """
     model = build(str(device))
-    readings = {}
+    totals = {}
     for batch in TIMING_BATCHES:
         x = torch.randint(0, vocab_size, (batch, seq_len), device=device)
         runs = [_time_units(model, modules, x, device) for _ in range(REPEATS + 1)][1:]
-        readings[batch] = (
-            {u: statistics.median(r[0][u] for r in runs) for u in runs[0][0]},
-            {u: statistics.median(r[1][u] for r in runs) for u in runs[0][1]},
-        )
+        totals[batch] = (statistics.median(sum(r[0].values()) for r in runs),
+                         statistics.median(sum(r[1].values()) for r in runs))
     b1, b2 = TIMING_BATCHES
-    fwd = {u: Linear1.fit(readings[b1][0][u], readings[b2][0][u], b1, b2) for u in readings[b1][0]}
-    bwd = {u: Linear1.fit(readings[b1][1][u], readings[b2][1][u], b1, b2) for u in readings[b1][1]}
+    whole = sum(flops.values()) or 1.0
+    share = {u: flops.get(u, 0.0) / whole for u in set(modules.values())}
+
+    def fit(i: int) -> Linear1:
+        line = Linear1.fit(totals[b1][i], totals[b2][i], b1, b2)
+        return Linear1(max(line.a, 0.0), max(line.b, 0.0))
+
+    fwd, bwd = fit(0), fit(1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     opt.step()
     _sync(device)
@@ -89,4 +97,8 @@ def measure_times(build: Callable[[str], nn.Module], modules: dict[str, str], se
         opt.step()
     _sync(device)
     n_params = sum(p.numel() for p in model.parameters())
-    return MeasuredTimes(fwd, bwd, (time.perf_counter() - t0) / REPEATS / n_params)
+    return MeasuredTimes(
+        {u: Linear1(fwd.a * s, fwd.b * s) for u, s in share.items()},
+        {u: Linear1(bwd.a * s, bwd.b * s) for u, s in share.items()},
+        (time.perf_counter() - t0) / REPEATS / n_params,
+    )

@@ -22,7 +22,9 @@ def _parser() -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("recipe", help="recipe YAML file")
         cmd.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=5")
-    sub.choices["plan"].add_argument("--out", help="write the plan JSON here")
+    sub.choices["plan"].add_argument("--out", help="write the plan JSON here (default: print it)")
+    sub.choices["plan"].add_argument("--png", help="write the predicted memory timeline here (default: plan.png "
+                                                   "beside --out, or none)")
     sub.choices["submit"].add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS or local)")
     sub.choices["submit"].add_argument("--resume", metavar="RUN_ID",
                                        help="continue from the last checkpoint of this earlier run (MLflow run "
@@ -40,13 +42,16 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         return 0
     if args.command == "plan":
         from osdp_platform.planning import plan_recipe
+        from osdp_platform.report import print_report
 
-        plan = plan_recipe(recipe).plan
+        result = plan_recipe(recipe)
         if args.out:
-            Path(args.out).write_text(plan.to_json())
-            console.print(f"plan written to {args.out}")
+            Path(args.out).write_text(result.plan.to_json())
+            console.print(f"plan written to {args.out}", markup=False)
         else:
-            console.print(plan.to_json(), markup=False)
+            console.print(result.plan.to_json(), markup=False)
+        png = args.png or (str(Path(args.out).with_suffix(".png")) if args.out else None)
+        print_report(result, console, Path(png) if png else None)
         return 0
     from osdp_platform.submit import submit
 
@@ -56,7 +61,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    console = Console(stderr=False)
+    console = Console(stderr=False, soft_wrap=False, width=max(Console().width, 110))
     try:
         return _run(args, console)
     except (UserError, UserErrors, PlanningError) as exc:

@@ -89,8 +89,9 @@ def train_loop(config: dict[str, Any], on_step: Callable[[int], None] | None = N
         losses: list[float] = []
 
         def one_step(step: int = step, losses: list[float] = losses) -> None:
+            # gradients are reduce-scattered after every micro batch (FSDP2's default): accumulating
+            # them unsharded instead would hold a full gradient copy per unit, which the plan forbids
             for micro in range(plan.grad_accum_steps):
-                model.set_requires_gradient_sync(micro == plan.grad_accum_steps - 1)
                 x, y = sampler.rank_batch(step, micro, plan.micro_batch_size, rank, world)
                 loss = lm_loss(model(x.to(device)), y.to(device)) / plan.grad_accum_steps
                 loss.backward()
