@@ -107,7 +107,14 @@ def test_submit_tracks_run_in_mlflow(ray_cluster: None, workdir: Path) -> None:
     plan_path = mlflow.artifacts.download_artifacts(run_id=summary.run_id, artifact_path="plan.json",
                                                     dst_path=str(workdir), tracking_uri=client.tracking_uri)
     plan = Plan.from_file(plan_path)
-    assert plan.planner == "zero3" and plan.world_size == 2
+    assert plan.planner == "osdp" and plan.world_size == 2
+    logged = run.data.metrics
+    for key in ("predicted_peak_memory_bytes", "predicted_step_time_s", "predicted_throughput_samples_per_s",
+                "measured_peak_memory_bytes", "measured_step_time_s", "peak_memory_ratio", "step_time_ratio"):
+        assert key in logged, key
+    assert logged["predicted_peak_memory_bytes"] == plan.predicted.peak_memory_bytes
+    assert logged["peak_memory_ratio"] == pytest.approx(
+        logged["measured_peak_memory_bytes"] / logged["predicted_peak_memory_bytes"])
     for key in ("loss", "step_time_s", "tokens_per_s"):
         history = client.get_metric_history(summary.run_id, key)
         assert [m.step for m in history] == list(range(steps)), key

@@ -1,0 +1,67 @@
+"""`osdp-platform plan` end to end: large recipes on the meta device, reports, manual plans, infeasible budgets."""
+
+import json
+import subprocess
+from pathlib import Path
+
+from helpers import CLI, RECIPES
+from osdp_planners.plan import Plan, Strategy
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([CLI, *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def test_llama_7b_zero3_plan_without_gpu_or_ray(tmp_path: Path) -> None:
+    out = tmp_path / "p.json"
+    result = run_cli("plan", str(RECIPES / "llama.yaml"), "planner.name=zero3", "--out", str(out), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    plan = Plan.from_file(out)
+    assert plan.world_size == 8 and len(plan.units) == 2 * 32 + 2  # attn + mlp per layer, embed, head
+    assert {u.strategy for u in plan.units} == {Strategy.ZERO3}
+    assert sum(u.param_count for u in plan.units) == 6_738_415_616
+    assert plan.predicted.peak_memory_bytes is not None
+    assert plan.predicted.peak_memory_bytes <= plan.memory_limit_bytes
+    assert plan.baselines["ddp"].fits is False  # 7B with AdamW replicated needs > 80 GB
+    assert "best uniform plan" in result.stdout
+    assert (tmp_path / "p.png").stat().st_size > 10_000
+    assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_llama_70b_osdp_on_64_gpus(tmp_path: Path) -> None:
+    out = tmp_path / "p.json"
+    result = run_cli("plan", str(RECIPES / "llama-70b.yaml"), "--out", str(out), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    plan = Plan.from_file(out)
+    assert (plan.nodes, plan.world_size) == (8, 64)
+    assert plan.global_batch_size == 512
+    assert all(64 % u.shard_group_size == 0 for u in plan.units)
+    assert plan.predicted.peak_memory_bytes <= plan.memory_limit_bytes
+    fitting = [b.throughput_samples_per_s for b in plan.baselines.values() if b.fits]
+    assert all(plan.predicted.throughput_samples_per_s >= t for t in fitting)
+
+
+def test_manual_plan_is_evaluated_and_edits_change_predictions(tmp_path: Path) -> None:
+    tiny = str(RECIPES / "tiny.yaml")
+    first = tmp_path / "zero3.json"
+    assert run_cli("plan", tiny, "planner.name=zero3", "--out", str(first), cwd=tmp_path).returncode == 0
+    data = json.loads(first.read_text())
+    for unit in data["units"]:
+        unit.update(strategy="ddp", shard_group_size=1)
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(data))
+    out = tmp_path / "manual.json"
+    result = run_cli("plan", tiny, "planner.name=manual", f"planner.plan_file={edited}", "--out", str(out),
+                     cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    manual = Plan.from_file(out)
+    zero3 = Plan.from_file(first)
+    assert {u.strategy for u in manual.units} == {Strategy.DDP}
+    assert manual.predicted.peak_memory_bytes > zero3.predicted.peak_memory_bytes  # DP holds full copies
+
+
+def test_infeasible_budget_names_the_smallest_footprint(tmp_path: Path) -> None:
+    result = run_cli("plan", str(RECIPES / "llama.yaml"), "planner.memory_limit_gb=4", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "smallest footprint" in result.stderr and "planner.memory_limit_gb" in result.stderr
+    assert "Traceback" not in result.stderr
