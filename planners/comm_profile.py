@@ -11,6 +11,9 @@ import json
 import os
 import socket
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -18,7 +21,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -26,6 +28,7 @@ from torch.distributed.fsdp import fully_shard
 LARGE = 4 << 20  # bytes of the bandwidth probes
 UNITS, WIDTH, REPEATS = 6, 16, 12
 STRATEGIES = ("ddp", "zero2", "zero3")
+MEASURE_TIMEOUT_S = 300
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,7 @@ def _step_time(model: nn.Module) -> float:
     return _median_time(lambda: model(x).sum().backward())
 
 
-def _worker(rank: int, world: int, port: int, out: "mp.Queue[CommProfile]") -> None:
+def _worker(rank: int, world: int, port: int, out: Path) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     n = LARGE // 4
@@ -85,17 +88,25 @@ def _worker(rank: int, world: int, port: int, out: "mp.Queue[CommProfile]") -> N
         fully_shard(model, mesh=mesh, reshard_after_forward=False)
         cost[strategy] = max(_step_time(model) - plain, 0.0) / UNITS
     if rank == 0:
-        out.put(CommProfile(world, bandwidth, cost))
+        out.write_text(json.dumps(asdict(CommProfile(world, bandwidth, cost))))
     dist.barrier()
     dist.destroy_process_group()
 
 
 def measure_comm(world_size: int) -> CommProfile:
-    """Spawn `world_size` gloo processes on this host and measure (a few seconds)."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    mp.start_processes(_worker, args=(world_size, _free_port(), queue), nprocs=world_size, start_method="spawn")
-    return queue.get(timeout=60)
+    """Start `world_size` gloo processes on this host and measure (seconds).
+
+    Plain subprocesses, not multiprocessing: spawn would re-import the caller's __main__.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "comm.json"
+        port = _free_port()
+        cmd = [sys.executable, "-m", "osdp_planners.comm_profile", str(world_size), str(port), str(out)]
+        procs = [subprocess.Popen([*cmd[:3], str(rank), *cmd[3:]], cwd=tmp) for rank in range(world_size)]
+        codes = [p.wait(timeout=MEASURE_TIMEOUT_S) for p in procs]
+        if any(codes) or not out.is_file():
+            raise RuntimeError(f"measuring gloo collectives failed (exit codes {codes})")
+        return CommProfile(**json.loads(out.read_text()))
 
 
 def cache_path(world_size: int) -> Path:
@@ -112,3 +123,8 @@ def cached_comm(world_size: int) -> CommProfile:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(asdict(profile)))
     return profile
+
+
+if __name__ == "__main__":
+    _rank, _world, _port, _out = sys.argv[1:5]
+    _worker(int(_rank), int(_world), int(_port), Path(_out))
