@@ -33,6 +33,7 @@ def main() -> None:
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
         for name in args.planners.split(","):
             recipe = load_recipe(RECIPE, [f"planner.name={name}", f"train.steps={args.steps}",
+                                          "hardware.memory_per_device_gb=1",
                                           f"tracking.uri=sqlite:///{tmp}/mlflow.db"])
             m = submit(recipe, console=Console(quiet=True)).measured()
             plan_pred = m.get("step_time_ratio"), m.get("peak_memory_ratio")

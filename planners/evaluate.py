@@ -45,7 +45,7 @@ class Evaluation:
 
 
 def _retained(ctx: Context, unit: str, batch: int, checkpoint: bool) -> float:
-    mods = [m for m in ctx.profile.modules if m.unit == unit]
+    mods = ctx.profile.by_unit[unit]
     if checkpoint:
         return sum(m.output.at(batch) for m in mods)
     return sum(m.post_fw.at(batch) - m.pre_fw.at(batch) for m in mods)

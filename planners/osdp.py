@@ -5,6 +5,7 @@ and checkpointing whose memory fits, then keeps the batch with the highest throu
 not the shortest step, which would always favour the smallest batch.
 """
 
+import math
 from dataclasses import dataclass
 
 from torch import nn
@@ -13,7 +14,7 @@ from osdp_planners.evaluate import Context, Evaluation, activation_local, candid
 from osdp_planners.options import Option, unit_options
 from osdp_planners.plan import Baseline, Plan, Predicted, Strategy, UnitPlan
 from osdp_planners.request import PlanningError, PlanRequest
-from osdp_planners.search import solve
+from osdp_planners.search import Candidate, solve
 from osdp_planners.uniform import group_size, make_plan
 
 MAX_MICRO_BATCH = 1024
@@ -51,7 +52,27 @@ def _splittable(ctx: Context, unit: str) -> bool:
 
 
 def _checkpointable(ctx: Context, unit: str) -> bool:
-    return any(m.unit == unit for m in ctx.profile.modules)
+    return unit in ctx.profile.by_unit
+
+
+def _unit_key(ctx: Context, unit: str, batch: int, local: float) -> tuple[object, ...]:
+    """What a unit's candidates depend on: identical blocks share one list instead of rescoring it."""
+    mods = ctx.profile.by_unit[unit]
+    return (ctx.profile.param_bytes[unit], tuple(ctx.profile.linear_bytes[unit]), local,
+            tuple((m.post_fw.at(batch) - m.pre_fw.at(batch), m.output.at(batch), m.fwd_flops.at(batch)) for m in mods),
+            None if ctx.measured is None else (ctx.measured.forward[unit], ctx.measured.backward[unit]))
+
+
+def _all_candidates(ctx: Context, units: list[str], options: dict[str, list[Option]], batch: int, accum: int,
+                    local: dict[str, float]) -> list[list[Candidate]]:
+    cache: dict[tuple[object, ...], list[Candidate]] = {}
+    out = []
+    for u in units:
+        key = (_unit_key(ctx, u, batch, local[u]), tuple(options[u]))
+        if key not in cache:
+            cache[key] = candidates(ctx, u, options[u], batch, accum, local[u])
+        out.append(cache[key])
+    return out
 
 
 def search_osdp(ctx: Context, req: PlanRequest) -> Choice | None:
@@ -64,7 +85,7 @@ def search_osdp(ctx: Context, req: PlanRequest) -> Choice | None:
     for batch, accum in batch_candidates(req):
         local = activation_local(ctx, batch)
         local = {u: v + neighbours[u] for u, v in local.items()}
-        cands = [candidates(ctx, u, options[u], batch, accum, local[u]) for u in units]
+        cands = _all_candidates(ctx, units, options, batch, accum, local)
         found = solve(cands, ctx.memory_limit)
         if found is None:
             if req.global_batch_size is None:
@@ -125,12 +146,15 @@ def baselines(ctx: Context, req: PlanRequest) -> dict[str, Baseline]:
 def infeasible(ctx: Context, req: PlanRequest) -> PlanningError:
     low = smallest_footprint(ctx, req)
     need = low.evaluation.peak_bytes
+    what = "no plan fits" if req.planner in ("osdp", "manual") else f"no {req.planner} plan fits at any batch size"
+    advised = math.ceil(need / GIB * 1e4) / 1e4  # rounded up, so the advice is always enough
+    fix = f"raise the memory limit to at least {advised:.4f} GiB, add devices, or shorten data.seq_len"
+    if req.planner not in ("osdp", "manual") and need <= ctx.memory_limit:
+        fix = "use planner.name=osdp, which mixes strategies to fit, or raise the memory limit"
     return PlanningError(
-        "planner.memory_limit_gb", round(ctx.memory_limit / GIB, 3),
-        f"no plan fits: the smallest footprint is {need / GIB:.3f} GiB per device (all units ZeRO-3, Linears "
-        f"split 8 ways, activation checkpointing, micro batch {low.batch})",
-        f"raise the memory limit to at least {need / GIB:.3f} GiB, add devices, or shorten data.seq_len",
-    )
+        "planner.memory_limit_gb", round(ctx.memory_limit / GIB, 4),
+        f"{what}: the smallest footprint of any plan is {need / GIB:.4f} GiB per device (all units ZeRO-3, "
+        f"Linears split 8 ways, activation checkpointing, micro batch {low.batch})", fix)
 
 
 def to_plan(model: nn.Module, req: PlanRequest, ctx: Context, choice: Choice) -> Plan:

@@ -9,6 +9,7 @@ fitted as a + b * batch (exact for transformers, whose activations scale with th
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +61,14 @@ class ModelProfile:
     param_bytes: dict[str, int]  # unit -> fp32 bytes of its parameters
     linear_bytes: dict[str, list[int]]  # unit -> fp32 bytes of each Linear a split would slice
     peak_loss: Linear1  # activation bytes at the peak between the last forward and the first backward
+
+    @cached_property
+    def by_unit(self) -> dict[str, list[ModuleProfile]]:
+        """Each unit's modules, so per-unit costs do not rescan the whole model."""
+        out: dict[str, list[ModuleProfile]] = {}
+        for m in self.modules:
+            out.setdefault(m.unit, []).append(m)
+        return out
 
 
 def _run_once(model: nn.Module, modules: dict[str, str], batch: int, seq_len: int, vocab: int

@@ -1,0 +1,354 @@
+"""The OSDP search: exactness against brute force, and the memory bound's safety against the event timeline.
+
+Pure planner logic (fake-tensor profiles of tiny zoo models, no Ray). Brute force enumerates every
+combination with itertools.product and knows nothing about the dynamic program it checks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+
+import numpy as np
+import pytest
+import torch
+
+from osdp_planners import PlanningError, PlanRequest, build_context, make_plan_for
+from osdp_planners.evaluate import Context, activation_local, candidates, neighbour_buffers
+from osdp_planners.hardware import GIB, get_preset
+from osdp_planners.memory_model import simulate
+from osdp_planners.options import Option, unit_options
+from osdp_planners.plan import Strategy
+from osdp_planners.search import Candidate, bound, quantum_for, solve
+from osdp_platform.zoo import build_zoo_model
+
+Cands = list[list[Candidate]]
+REL = 1e-9  # float noise allowed when comparing times
+
+
+class Enumeration:
+    """Every full choice of an instance, as arrays: the brute force, independent of solve's DP."""
+
+    def __init__(self, cands: Cands) -> None:
+        self.cands = cands
+        self.choices = np.array(list(itertools.product(*(range(len(unit)) for unit in cands))), dtype=np.int64)
+        cols = range(len(cands))
+        self.resident = np.array([[cands[u][i].resident for u, i in zip(cols, c, strict=True)]
+                                  for c in self.choices])
+        self.max_transient = np.array([max(cands[u][i].transient for u, i in zip(cols, c, strict=True))
+                                       for c in self.choices])
+        self.time = np.array([sum(cands[u][i].time_s for u, i in zip(cols, c, strict=True)) for c in self.choices])
+
+    def bounds(self, quantum: float) -> np.ndarray:
+        """bound() of every choice: residents rounded up to the quantum one by one, plus the largest transient."""
+        return np.ceil(self.resident / quantum).sum(axis=1) * quantum + self.max_transient
+
+    def best(self, budget: float, quantum: float) -> tuple[float, list[int]] | None:
+        """The fastest choice whose bound fits, or None."""
+        fits = self.bounds(quantum) <= budget
+        if not fits.any():
+            return None
+        k = int(np.argmin(np.where(fits, self.time, np.inf)))
+        return float(self.time[k]), [int(i) for i in self.choices[k]]
+
+
+def check_against_brute_force(every: Enumeration, budget: float, quantum: float | None = None) -> None:
+    """solve's optimum equals the enumeration's, it is None exactly when nothing fits, and its choice fits."""
+    cands = every.cands
+    q = quantum or quantum_for(budget)
+    expected = every.best(budget, q)
+    got = solve(cands, budget, quantum)
+    if expected is None:
+        assert got is None, f"solve found {got} at budget {budget}, but no combination fits"
+        return
+    assert got is not None, f"solve found nothing at budget {budget}; brute force found {expected}"
+    assert got.time_s == pytest.approx(expected[0], rel=REL), (budget, got, expected)
+    assert len(got.choice) == len(cands)
+    assert all(0 <= i < len(unit) for unit, i in zip(cands, got.choice, strict=True))
+    chosen_time = sum(unit[i].time_s for unit, i in zip(cands, got.choice, strict=True))
+    assert chosen_time == pytest.approx(got.time_s, rel=REL)
+    assert bound(cands, got.choice, q) <= budget
+    assert got.bound_bytes == bound(cands, got.choice, q)
+    k = int(np.flatnonzero((every.choices == got.choice).all(axis=1))[0])
+    assert every.bounds(q)[k] == bound(cands, got.choice, q)  # the enumeration measures what solve promises
+
+
+# --- the bound itself, by hand -------------------------------------------------------------------------------
+
+
+def test_bound_is_rounded_residents_plus_largest_transient() -> None:
+    cands = [[Candidate(10.0, 5.0, 1.0), Candidate(3.0, 40.0, 2.0)], [Candidate(7.0, 1.0, 1.0)]]
+    assert bound(cands, [0, 0], 1.0) == 10 + 7 + 5
+    assert bound(cands, [1, 0], 1.0) == 3 + 7 + 40
+    assert bound(cands, [0, 0], 4.0) == 12 + 8 + 5  # residents rounded up to the quantum, one by one
+    assert quantum_for(100.0) == 1.0
+    assert quantum_for(2048.0 * 1000) == 1000.0
+
+
+def test_solve_picks_the_known_optimum_of_a_hand_instance() -> None:
+    # fast-but-big vs slow-but-small per unit; the budget admits exactly one fast unit, and the
+    # large transient of unit 1's fast option must be paid once, as the max
+    cands = [[Candidate(50, 0, 1.0), Candidate(10, 0, 3.0)], [Candidate(40, 30, 1.5), Candidate(10, 0, 2.0)]]
+    assert solve(cands, 60.0).choice == [0, 1]  # 60 fits, time 3.0
+    assert solve(cands, 60.0).time_s == pytest.approx(3.0)
+    assert solve(cands, 20.0).choice == [1, 1]
+    assert solve(cands, 19.0) is None
+    assert solve(cands, 120.0).choice == [0, 0]  # 50 + 40 + 30
+
+
+def test_enumeration_measures_the_same_bound_as_search() -> None:
+    rng = random.Random(7)
+    for integer in (True, False):
+        for _ in range(20):
+            every = Enumeration(random_instance(rng, integer))
+            for quantum in (1.0, 977.0, 3.1e4):
+                expected = [bound(every.cands, [int(i) for i in c], quantum) for c in every.choices]
+                assert every.bounds(quantum).tolist() == expected
+
+
+# --- brute force on random instances ------------------------------------------------------------------------
+
+
+def random_instance(rng: random.Random, integer: bool) -> Cands:
+    n_units = rng.randint(1, 5)
+    out = []
+    for _ in range(n_units):
+        unit = []
+        for _ in range(rng.randint(1, 6)):
+            if integer:  # small integers: exact ties and exact boundary budgets (quantum 1 below 2048)
+                unit.append(Candidate(rng.randint(0, 300), rng.choice([0, 0, rng.randint(0, 200)]),
+                                      rng.choice([1.0, 2.0, 3.0, rng.uniform(0.5, 5.0)])))
+            else:
+                unit.append(Candidate(rng.uniform(0, 5e6), rng.uniform(0, 3e6) * rng.random() ** 2,
+                                      rng.lognormvariate(0, 1)))
+        out.append(unit)
+    return out
+
+
+def budgets_for(every: Enumeration, rng: random.Random, integer: bool) -> list[float]:
+    """Budgets from below the smallest bound to above the largest, plus exact bound values."""
+    raw = every.bounds(1.0)
+    if integer:
+        values = sorted({float(v) for v in raw})
+        picks = rng.sample(values, min(6, len(values)))
+        budgets = [values[0] - 1, values[-1] + 5, *picks, *(p - 1 for p in picks)]
+        return [b for b in budgets if b <= 2048]  # keep quantum 1, so the exact values are the bounds
+    lo, hi = float(raw.min()), float(raw.max())
+    return [0.5 * lo, 0.999 * lo, *(rng.uniform(lo, hi) for _ in range(5)), 1.01 * lo, hi * 1.01, 10 * hi]
+
+
+@pytest.mark.parametrize("integer", [True, False], ids=["integer", "float"])
+def test_solve_matches_brute_force_on_random_instances(integer: bool) -> None:
+    rng = random.Random(1234 + integer)
+    checked = feasible = 0
+    for _ in range(160):
+        every = Enumeration(random_instance(rng, integer))
+        for budget in budgets_for(every, rng, integer):
+            check_against_brute_force(every, budget)
+            checked += 1
+            feasible += solve(every.cands, budget) is not None
+    assert feasible > checked // 4 and feasible < checked  # both outcomes exercised
+
+
+def test_solve_matches_brute_force_with_an_explicit_quantum() -> None:
+    rng = random.Random(99)
+    for _ in range(100):
+        every = Enumeration(random_instance(rng, integer=False))
+        lo, hi = float(every.bounds(1.0).min()), float(every.bounds(1.0).max())
+        for budget in (lo * 0.9, (lo + hi) / 2, hi * 1.2):
+            for scale in (0.37, 1.0, 25.0):  # the DP's table has budget / quantum cells: keep it small
+                check_against_brute_force(every, budget, scale * quantum_for(budget))
+
+
+# --- real candidates from a profiled zoo model --------------------------------------------------------------
+
+
+def request(family: str = "llama", workers: int = 4, limit: float = 8 * GIB, precision: str = "fp32",
+            optimizer: str = "adamw", seq_len: int = 32, global_batch: int | None = None) -> PlanRequest:
+    return PlanRequest(planner="osdp", model_label=f"{family}-tiny", nodes=1, workers_per_node=workers,
+                       device=get_preset("cpu"), memory_limit_bytes=int(limit), seq_len=seq_len,
+                       micro_batch_size=None, global_batch_size=global_batch, precision=precision,
+                       optimizer=optimizer)
+
+
+def builder(family: str, n_layers: int, vocab_size: int | None = None, dim: int | None = None
+            ) -> Callable[[str], torch.nn.Module]:
+    """A tiny zoo model's constructor on any device, as make_plan_for takes it."""
+
+    def build(device: str) -> torch.nn.Module:
+        with torch.device(device):
+            return build_zoo_model(family, "tiny", n_layers=n_layers, vocab_size=vocab_size, dim=dim)
+    return build
+
+
+@cache
+def context(family: str, n_layers: int = 2, workers: int = 4, precision: str = "fp32", optimizer: str = "adamw",
+            vocab_size: int | None = None, dim: int | None = None, seq_len: int = 32) -> Context:
+    req = request(family, workers, precision=precision, optimizer=optimizer, seq_len=seq_len)
+    return build_context(builder(family, n_layers, vocab_size, dim), req, None)
+
+
+def unit_option_lists(ctx: Context, workers: int) -> dict[str, list[Option]]:
+    """Every option of every unit, as search_osdp lists them (one node)."""
+    out = {}
+    for u in ctx.profile.units:
+        splittable = bool(ctx.profile.linear_bytes[u.name])
+        checkpointable = any(m.unit == u.name for m in ctx.profile.modules)
+        out[u.name] = unit_options(workers, workers, 1, splittable, checkpointable)
+    return out
+
+
+def search_candidates(ctx: Context, options: dict[str, list[Option]], batch: int, accum: int = 1) -> Cands:
+    """The candidates search_osdp hands to solve: local activations plus neighbours' buffers."""
+    local = activation_local(ctx, batch)
+    neighbours = neighbour_buffers(ctx)
+    return [candidates(ctx, u, opts, batch, accum, local[u] + neighbours[u]) for u, opts in options.items()]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_solve_matches_brute_force_on_real_candidates(seed: int) -> None:
+    ctx = context("llama")  # 6 units: embed, 2 x (attn, mlp), head
+    rng = random.Random(seed)
+    full = unit_option_lists(ctx, 4)
+    options = {u: rng.sample(opts, min(4, len(opts))) for u, opts in full.items()}
+    for batch, accum in ((1, 1), (8, 2)):
+        every = Enumeration(search_candidates(ctx, options, batch, accum))
+        raw = np.sort(every.bounds(1.0))
+        limits = [0.9 * raw[0], raw[0] * 1.001, *(raw[int(f * (len(raw) - 1))] for f in (0.05, 0.3, 0.6, 0.9)),
+                  raw[-1] * 1.001]
+        outcomes = set()
+        for limit in limits:
+            check_against_brute_force(every, float(limit))
+            outcomes.add(solve(every.cands, float(limit)) is None)
+        assert outcomes == {True, False}
+        quantum = float(raw[-1]) / 2048
+        exact = np.sort(every.bounds(quantum))
+        for limit in exact[:: max(1, len(exact) // 7)]:  # exact bound values as limits, at a fixed quantum
+            check_against_brute_force(every, float(limit), quantum)
+
+
+# --- safety: the search's bound covers the simulated peak ---------------------------------------------------
+
+@dataclass(frozen=True)
+class Shape:
+    """A tiny zoo model reshaped to stress one part of the bound, and the batches to check it at."""
+
+    family: str
+    precision: str = "fp32"
+    optimizer: str = "adamw"
+    workers: int = 4
+    n_layers: int = 2
+    vocab: int | None = None
+    dim: int | None = None
+    seq_len: int = 32
+    batches: tuple[int, ...] = (1, 3, 16)
+
+    def __str__(self) -> str:
+        return (f"{self.family}-{self.precision}-{self.optimizer}-w{self.workers}-L{self.n_layers}"
+                f"-v{self.vocab or 'tiny'}-d{self.dim or 'tiny'}-s{self.seq_len}")
+
+
+SAFETY_CASES = [
+    Shape("llama"), Shape("llama", "bf16-mixed", "sgd", workers=2), Shape("gpt2"),
+    Shape("gpt2", "bf16-mixed", workers=2),
+    # wide vocabulary, narrow model, long sequences: the loss region dominates and the bound is within
+    # about 0.01% of the simulated peak (the tightest case found)
+    Shape("llama", "bf16-mixed", workers=2, n_layers=1, vocab=65536, dim=32, seq_len=128, batches=(16, 256)),
+    # big embeddings, short sequences: parameters and their buffers dominate; dropping the reduce-scatter
+    # buffer, the gathers or the backward peak from the bound breaks safety in these
+    Shape("llama", "bf16-mixed", workers=8, vocab=65536, dim=64, seq_len=8, batches=(1, 4)),
+    Shape("llama", workers=8, n_layers=1, vocab=65536, dim=256, seq_len=8, batches=(1, 4)),
+    Shape("gpt2", workers=8, n_layers=1, vocab=65536, dim=256, seq_len=8, batches=(1, 4)),
+    # the next unit's prefetched gather matters here (the neighbour term of the transient)
+    Shape("gpt2", workers=8, n_layers=1, seq_len=8, batches=(1, 2)),
+]
+
+
+@pytest.mark.parametrize("shape", SAFETY_CASES, ids=str)
+def test_bound_covers_the_simulated_peak(shape: Shape) -> None:
+    s = shape
+    ctx = context(s.family, s.n_layers, s.workers, s.precision, s.optimizer, s.vocab, s.dim, s.seq_len)
+    options = unit_option_lists(ctx, s.workers)
+    units = list(options)
+    n_opts = max(len(o) for o in options.values())
+    rng = random.Random(str(s))
+    for batch in s.batches:
+        cands = search_candidates(ctx, options, batch)
+        uniform = [[k % len(options[u]) for u in units] for k in range(n_opts)]  # every option on every unit
+        sampled = [[rng.randrange(len(options[u])) for u in units] for _ in range(60)]
+        for choice in uniform + sampled:
+            picked = {u: options[u][i] for u, i in zip(units, choice, strict=True)}
+            peak = simulate(ctx.profile, picked, batch, ctx.compute_bytes, ctx.optimizer).peak
+            # quantum 1 rounds each resident up by under a byte: the bound is (almost) the plain sum
+            searched = bound(cands, choice, 1.0)
+            assert searched >= peak, f"{s} batch {batch}: bound {searched:.0f} < simulated peak {peak:.0f}: {picked}"
+
+
+# --- the planner end to end: infeasible limits and fitting plans --------------------------------------------
+
+
+def smallest_options(ctx: Context, workers: int) -> dict[str, Option]:
+    """All ZeRO-3 over the world, Linears split 8 ways, checkpointed (as the error message claims)."""
+    return {u.name: Option(Strategy.ZERO3, workers, 8 if ctx.profile.linear_bytes[u.name] else 1,
+                           any(m.unit == u.name for m in ctx.profile.modules)) for u in ctx.profile.units}
+
+
+def test_smallest_footprint_is_no_larger_than_random_plans() -> None:
+    ctx = context("gpt2")
+    options = unit_option_lists(ctx, 4)
+    low = simulate(ctx.profile, smallest_options(ctx, 4), 1, ctx.compute_bytes, ctx.optimizer).peak
+    rng = random.Random(5)
+    for _ in range(200):
+        picked = {u: rng.choice(opts) for u, opts in options.items()}
+        assert simulate(ctx.profile, picked, 1, ctx.compute_bytes, ctx.optimizer).peak >= low, picked
+
+
+def gib_after(text: str, words: str) -> tuple[float, float]:
+    """The GiB figure printed after `words`, and half a unit of its last printed digit (its rounding)."""
+    found = re.search(re.escape(words) + r"\D*?(\d+(?:\.(\d+))?) GiB", text)
+    assert found, f"no '{words} ... GiB' in {text!r}"
+    return float(found.group(1)), 0.5 * 10.0 ** -len(found.group(2) or "")
+
+
+@pytest.mark.parametrize(("family", "vocab", "dim"), [("llama", None, None), ("gpt2", None, None),
+                                                      ("llama", 1024, 128)])  # 0.0032037 GiB: rounds down
+def test_infeasible_limit_names_the_smallest_footprint_and_the_threshold_holds(
+        family: str, vocab: int | None, dim: int | None) -> None:
+    ctx = context(family, vocab_size=vocab, dim=dim)
+    need = simulate(ctx.profile, smallest_options(ctx, 4), 1, ctx.compute_bytes, ctx.optimizer).peak
+    build = builder(family, 2, vocab, dim)
+    with pytest.raises(PlanningError) as err:
+        make_plan_for(build, request(family, limit=math.floor(need) - 1))
+    assert err.value.field == "planner.memory_limit_gb"
+    named, rounding = gib_after(err.value.problem, "smallest footprint")
+    assert abs(named - need / GIB) <= rounding * (1 + 1e-9), (named, need / GIB)
+    # the advice must be enough: a limit of what it asks for, as printed, has to fit the smallest plan
+    advised, _ = gib_after(err.value.fix, "at least")
+    assert advised * GIB >= need, f"the fix asks for {advised} GiB, but the smallest footprint is {need / GIB} GiB"
+    # at exactly the smallest footprint a plan exists (the simulated fallback), and it fits
+    plan = make_plan_for(build, request(family, limit=math.ceil(need))).plan
+    assert plan.predicted.peak_memory_bytes <= math.ceil(need)
+
+
+@pytest.mark.parametrize(("family", "factor", "global_batch"),
+                         [("llama", 1.3, None), ("llama", 4.0, None), ("gpt2", 2.0, 64), ("gpt2", 40.0, None)])
+def test_planned_peak_fits_the_limit(family: str, factor: float, global_batch: int | None) -> None:
+    ctx = context(family)
+    need = simulate(ctx.profile, smallest_options(ctx, 4), 1, ctx.compute_bytes, ctx.optimizer).peak
+    limit = int(factor * need)
+    result = make_plan_for(builder(family, 2), request(family, limit=limit, global_batch=global_batch))
+    plan = result.plan
+    assert plan.predicted.peak_memory_bytes is not None
+    assert plan.predicted.peak_memory_bytes <= limit
+    # the reported peak is the event timeline of the plan as written (recomputed from the plan's units)
+    chosen = {u.name: Option.of(u) for u in plan.units}
+    peak = simulate(result.context.profile, chosen, plan.micro_batch_size, ctx.compute_bytes, ctx.optimizer).peak
+    assert plan.predicted.peak_memory_bytes == int(peak)
+    assert peak <= limit
+    if global_batch is not None:
+        assert plan.global_batch_size == global_batch
