@@ -93,6 +93,8 @@ def search_osdp(ctx: Context, req: PlanRequest) -> Choice | None:
             continue
         chosen = {u: options[u][i] for u, i in zip(units, found.choice, strict=True)}
         ev = evaluate(ctx, chosen, batch, accum)
+        if ev.peak_bytes > ctx.memory_limit:  # the bound is an upper bound of this; never trust it blindly
+            continue
         if best is None or ev.throughput > best.evaluation.throughput:
             best = Choice(chosen, batch, accum, ev)
     # the search's bound is conservative: a uniform plan, or the smallest footprint, may fit when

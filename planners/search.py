@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-BUCKETS = 2048
+BUCKETS = 8192
 
 
 @dataclass(frozen=True)

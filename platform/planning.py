@@ -1,5 +1,7 @@
 """Turn a recipe into a plan: locally (the `plan` command) or in the planner actor on a sample worker."""
 
+import json
+from dataclasses import asdict
 from typing import Any
 
 import ray
@@ -58,21 +60,33 @@ def plan_recipe(recipe: Recipe) -> PlanResult:
 class PlannerActor:
     """Runs the planner where a training worker would run, so profiling sees the workers' hardware."""
 
-    def plan(self, recipe_json: dict[str, Any]) -> str:
+    def plan(self, recipe_json: dict[str, Any]) -> tuple[str, str]:
         torch.set_num_threads(1)
-        return plan_recipe(Recipe.model_validate(recipe_json)).plan.to_json()
+        result = plan_recipe(Recipe.model_validate(recipe_json))
+        return result.plan.to_json(), profile_json(result)
 
 
-def plan_on_sample_worker(recipe: Recipe) -> Plan:
+def profile_json(result: PlanResult) -> str:
+    """What the plan was computed from (profile, measured times, collectives), for the run's artifacts."""
+    ctx = result.context
+    return json.dumps({
+        "profile": asdict(ctx.profile),
+        "measured_compute": asdict(ctx.measured) if ctx.measured else None,
+        "measured_comm": asdict(ctx.topo.measured) if ctx.topo.measured else None,
+        "device": asdict(ctx.topo.device),
+    }, indent=1, default=str)
+
+
+def plan_on_sample_worker(recipe: Recipe) -> tuple[Plan, str]:
     """Place the planner actor like one training worker, get its plan, and free the worker again."""
     gpu = 1 if recipe.hardware.accelerator == "gpu" else 0
     actor = PlannerActor.options(num_cpus=1, num_gpus=gpu).remote()  # type: ignore[attr-defined]
     try:
-        plan_json = ray.get(actor.plan.remote(recipe.model_dump(mode="json")), timeout=PLANNER_TIMEOUT_S)
+        plan_json, profile = ray.get(actor.plan.remote(recipe.model_dump(mode="json")), timeout=PLANNER_TIMEOUT_S)
     except RayTaskError as exc:
         if isinstance(exc.cause, UserError | PlanningError):
             raise exc.cause from None
         raise
     finally:
         ray.kill(actor)
-    return Plan.model_validate_json(plan_json)
+    return Plan.model_validate_json(plan_json), profile

@@ -116,10 +116,11 @@ def submit(recipe: Recipe, address: str | None = None, console: Console | None =
     connect(recipe, address)
     check_cluster(recipe)
     console.print(f"[bold]planning[/] {recipe.model.label} with planner {recipe.planner.name} on a sample worker")
-    plan = plan_on_sample_worker(recipe)
+    plan, profile = plan_on_sample_worker(recipe)
     if point is not None:
         check_resumable(point, recipe, plan)
     tracker = RunTracker.start(recipe, plan)
+    tracker.log_text(profile, "profile.json")
     summary = RunSummary(tracker.run_id, plan, first_step=point.step if point else 0)
     if point is not None:
         for key, value in (("resumed_from_run", point.run_id), ("resumed_from_checkpoint", point.path),

@@ -2,7 +2,7 @@
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,6 +18,8 @@ from osdp_platform.memory import measure_step_peak
 from osdp_platform.models import build_model
 from osdp_platform.recipe import Recipe
 
+MAX_RANKS_LOGGED = 16  # per-rank metrics beyond this would flood the tracking store
+
 
 @dataclass(frozen=True)
 class StepMetrics:
@@ -26,11 +28,16 @@ class StepMetrics:
     step_time_s: float
     tokens_per_s: float
     peak_memory_bytes: int | None  # measured on chosen steps only (see memory.py)
+    rank_step_time_s: list[float] = field(default_factory=list)
+    rank_peak_memory_bytes: list[float] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, float]:
         out = {"loss": self.loss, "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s}
         if self.peak_memory_bytes is not None:
             out["peak_memory_bytes"] = float(self.peak_memory_bytes)
+        if len(self.rank_step_time_s) <= MAX_RANKS_LOGGED:
+            out |= {f"step_time_s/rank{r}": t for r, t in enumerate(self.rank_step_time_s)}
+            out |= {f"peak_memory_bytes/rank{r}": m for r, m in enumerate(self.rank_peak_memory_bytes)}
         return out
 
 
@@ -50,6 +57,14 @@ def build_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.Optimizer:
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _per_rank(elapsed: float, peak: int | None, world: int, device: torch.device) -> tuple[list[float], list[float]]:
+    """Every rank's step time and peak memory (a straggler or an unbalanced shard shows up here)."""
+    mine = torch.tensor([elapsed, float(peak or 0)], dtype=torch.float64, device=device)
+    gathered = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine)
+    return [float(t[0]) for t in gathered], [float(t[1]) for t in gathered]
 
 
 def _reduce(value: float, op: dist.ReduceOp, device: torch.device) -> float:
@@ -106,13 +121,16 @@ def train_loop(config: dict[str, Any], on_step: Callable[[int], None] | None = N
             one_step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        elapsed = _reduce(time.perf_counter() - start, dist.ReduceOp.MAX, device)
+        times, peaks = _per_rank(time.perf_counter() - start, peak, world, device)
+        elapsed = max(times)
         metrics = StepMetrics(
             step=step,
             loss=_reduce(sum(losses), dist.ReduceOp.SUM, device) / world,
             step_time_s=elapsed,
             tokens_per_s=tokens_per_step / elapsed,
-            peak_memory_bytes=int(_reduce(peak, dist.ReduceOp.MAX, device)) if peak is not None else None,
+            peak_memory_bytes=int(max(peaks)) if peak is not None else None,
+            rank_step_time_s=times,
+            rank_peak_memory_bytes=peaks if peak is not None else [],
         )
         if rank == 0 and queue is not None:
             queue.put((step, metrics.as_dict()))

@@ -24,7 +24,7 @@ from osdp_planners.hardware import GIB, get_preset
 from osdp_planners.memory_model import simulate
 from osdp_planners.options import Option, unit_options
 from osdp_planners.plan import Strategy
-from osdp_planners.search import Candidate, bound, quantum_for, solve
+from osdp_planners.search import BUCKETS, Candidate, bound, quantum_for, solve
 from osdp_platform.zoo import build_zoo_model
 
 Cands = list[list[Candidate]]
@@ -87,7 +87,7 @@ def test_bound_is_rounded_residents_plus_largest_transient() -> None:
     assert bound(cands, [1, 0], 1.0) == 3 + 7 + 40
     assert bound(cands, [0, 0], 4.0) == 12 + 8 + 5  # residents rounded up to the quantum, one by one
     assert quantum_for(100.0) == 1.0
-    assert quantum_for(2048.0 * 1000) == 1000.0
+    assert quantum_for(BUCKETS * 1000.0) == 1000.0
 
 
 def test_solve_picks_the_known_optimum_of_a_hand_instance() -> None:
@@ -120,7 +120,7 @@ def random_instance(rng: random.Random, integer: bool) -> Cands:
     for _ in range(n_units):
         unit = []
         for _ in range(rng.randint(1, 6)):
-            if integer:  # small integers: exact ties and exact boundary budgets (quantum 1 below 2048)
+            if integer:  # small integers: exact ties and exact boundary budgets (quantum 1 below BUCKETS)
                 unit.append(Candidate(rng.randint(0, 300), rng.choice([0, 0, rng.randint(0, 200)]),
                                       rng.choice([1.0, 2.0, 3.0, rng.uniform(0.5, 5.0)])))
             else:
@@ -137,7 +137,7 @@ def budgets_for(every: Enumeration, rng: random.Random, integer: bool) -> list[f
         values = sorted({float(v) for v in raw})
         picks = rng.sample(values, min(6, len(values)))
         budgets = [values[0] - 1, values[-1] + 5, *picks, *(p - 1 for p in picks)]
-        return [b for b in budgets if b <= 2048]  # keep quantum 1, so the exact values are the bounds
+        return [b for b in budgets if b <= BUCKETS]  # keep quantum 1, so the exact values are the bounds
     lo, hi = float(raw.min()), float(raw.max())
     return [0.5 * lo, 0.999 * lo, *(rng.uniform(lo, hi) for _ in range(5)), 1.01 * lo, hi * 1.01, 10 * hi]
 
@@ -226,7 +226,7 @@ def test_solve_matches_brute_force_on_real_candidates(seed: int) -> None:
             check_against_brute_force(every, float(limit))
             outcomes.add(solve(every.cands, float(limit)) is None)
         assert outcomes == {True, False}
-        quantum = float(raw[-1]) / 2048
+        quantum = float(raw[-1]) / BUCKETS
         exact = np.sort(every.bounds(quantum))
         for limit in exact[:: max(1, len(exact) // 7)]:  # exact bound values as limits, at a fixed quantum
             check_against_brute_force(every, float(limit), quantum)

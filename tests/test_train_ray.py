@@ -103,7 +103,7 @@ def test_submit_tracks_run_in_mlflow(ray_cluster: None, workdir: Path) -> None:
     assert run.data.params["train.steps"] == str(steps)
     assert run.data.params["model.family"] == "llama"
     artifacts = {a.path for a in client.list_artifacts(summary.run_id)}
-    assert {"plan.json", "recipe.yaml"} <= artifacts
+    assert {"plan.json", "recipe.yaml", "profile.json"} <= artifacts
     plan_path = mlflow.artifacts.download_artifacts(run_id=summary.run_id, artifact_path="plan.json",
                                                     dst_path=str(workdir), tracking_uri=client.tracking_uri)
     plan = Plan.from_file(plan_path)
@@ -119,5 +119,9 @@ def test_submit_tracks_run_in_mlflow(ray_cluster: None, workdir: Path) -> None:
         history = client.get_metric_history(summary.run_id, key)
         assert [m.step for m in history] == list(range(steps)), key
     assert client.get_metric_history(summary.run_id, "peak_memory_bytes")
+    per_rank = [client.get_metric_history(summary.run_id, f"step_time_s/rank{r}") for r in range(2)]
+    assert all(len(h) == steps for h in per_rank)
+    for step_max, r0, r1 in zip(client.get_metric_history(summary.run_id, "step_time_s"), *per_rank, strict=True):
+        assert step_max.value == max(r0.value, r1.value)
     loss = [m.value for m in client.get_metric_history(summary.run_id, "loss")]
     assert loss[-1] < loss[0]
