@@ -6,7 +6,7 @@ from functools import partial
 
 from torch import nn
 
-from .layers import Attention, Block, DenseMLP, Embed, Head, ZooConfig, ZooModel
+from .layers import TiedDecoder, ZooConfig
 
 VOCAB = 50257
 SEQ = 1024
@@ -29,20 +29,9 @@ PRESETS: dict[str, ZooConfig] = {
 }
 
 
-class GPT2(ZooModel):
-    """GPT-2-style decoder; the output projection shares its weight with ``embed.tok``."""
+class GPT2(TiedDecoder):
+    """GPT-2-style decoder (tanh GELU); the output projection shares its weight with ``embed.tok``."""
 
-    def __init__(self, config: ZooConfig) -> None:
-        def norm() -> nn.LayerNorm:
-            return nn.LayerNorm(config.dim, eps=config.norm_eps)
-
-        blocks = [
-            Block(
-                Attention(config, norm(), bias=True, rope=False),
-                DenseMLP(config, norm(), nn.GELU(approximate="tanh")),
-            )
-            for _ in range(config.n_layers)
-        ]
-        embed = Embed(config.vocab_size, config.dim, config.max_seq_len)
-        head = Head(norm(), config.dim, config.vocab_size)
-        super().__init__(config, embed, blocks, head, tie_head=True)
+    @staticmethod
+    def activation() -> nn.Module:
+        return nn.GELU(approximate="tanh")

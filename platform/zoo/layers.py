@@ -241,3 +241,24 @@ class ZooModel(nn.Module):
         for block in self.layers:
             h = block(h)
         return self.head(h)
+
+
+class TiedDecoder(ZooModel):
+    """LayerNorm, learned positions, biased Linears, a dense MLP and a head tied to the token
+    embedding: the layout GPT-2 and OPT share; subclasses choose the MLP activation."""
+
+    @staticmethod
+    def activation() -> nn.Module:
+        raise NotImplementedError
+
+    def __init__(self, config: ZooConfig) -> None:
+        def norm() -> nn.LayerNorm:
+            return nn.LayerNorm(config.dim, eps=config.norm_eps)
+
+        blocks = [
+            Block(Attention(config, norm(), bias=True, rope=False), DenseMLP(config, norm(), self.activation()))
+            for _ in range(config.n_layers)
+        ]
+        embed = Embed(config.vocab_size, config.dim, config.max_seq_len)
+        head = Head(norm(), config.dim, config.vocab_size)
+        super().__init__(config, embed, blocks, head, tie_head=True)
