@@ -35,11 +35,10 @@ def build_context(build: Builder, req: PlanRequest, measure_on: str | None) -> C
     measured: MeasuredTimes | None = None
     comm: CommProfile | None = None
     if measure_on is not None:
-        modules = {m.path: m.unit for m in profile.modules}
         flops: dict[str, float] = {}
         for m in profile.modules:
             flops[m.unit] = flops.get(m.unit, 0.0) + m.fwd_flops.at(1)
-        measured = measure_times(build, modules, req.seq_len, req.token_range, torch.device(measure_on), flops)
+        measured = measure_times(build, req.seq_len, req.token_range, torch.device(measure_on), flops)
         if measure_on == "cpu" and req.world_size > 1:
             comm = cached_comm(req.world_size)
     return Context(profile, Topology(req.world_size, req.workers_per_node, req.device, comm), measured,

@@ -8,9 +8,6 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
 from osdp_planners.hardware import PRESETS
 
-STRATEGY_PLANNERS = ("ddp", "zero2", "zero3", "hsdp")
-PLANNER_NAMES = (*STRATEGY_PLANNERS, "osdp", "manual")
-
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
