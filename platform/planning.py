@@ -1,6 +1,7 @@
 """Turn a recipe into a plan: locally (the `plan` command) or in the planner actor on a sample worker."""
 
 import json
+import os
 from dataclasses import asdict
 from typing import Any
 
@@ -39,12 +40,20 @@ def plan_request(recipe: Recipe) -> PlanRequest:
 MEASURE_LIMIT_FRACTION = 0.2  # time the model for real only if its training states take under this share
 
 
+def _host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def measure_device(recipe: Recipe, param_count: int) -> str | None:
-    """Where this process can time the model for real: CPU pools here, GPU pools on a GPU worker."""
+    """Where this process can time the model for real: CPU pools here, GPU pools on a GPU worker.
+
+    The gate is the memory this process really has, not the recipe's budget: a tight planning
+    budget must not switch measurement off.
+    """
     states = 16 * param_count  # fp32 params, grads and two AdamW moments
     if recipe.hardware.accelerator == "cpu":
-        return "cpu" if states < MEASURE_LIMIT_FRACTION * recipe.hardware.memory_per_device_bytes else None
-    if torch.cuda.is_available() and states < MEASURE_LIMIT_FRACTION * recipe.hardware.memory_per_device_bytes:
+        return "cpu" if states < MEASURE_LIMIT_FRACTION * _host_memory_bytes() else None
+    if torch.cuda.is_available() and states < MEASURE_LIMIT_FRACTION * torch.cuda.get_device_properties(0).total_memory:
         return "cuda"
     return None
 
