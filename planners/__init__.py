@@ -6,13 +6,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from osdp_planners.comm_profile import CommProfile, cached_comm
+from osdp_planners.comm_profile import STRATEGIES, CommProfile, cached_comm
 from osdp_planners.evaluate import Context
+from osdp_planners.model_probe import ModelOverheads, calibrate, measure_on_ranks
+from osdp_planners.options import Option
 from osdp_planners.osdp import Choice, best_uniform, infeasible, search_osdp, to_plan
 from osdp_planners.plan import Plan, Strategy
 from osdp_planners.profile import ModelProfile, profile_model
 from osdp_planners.request import PlanningError, PlanRequest
-from osdp_planners.time_model import Topology
+from osdp_planners.time_model import Topology, comm_seconds
 from osdp_planners.timing import MeasuredTimes, measure_times
 from osdp_planners.units import structure_hash
 
@@ -29,7 +31,12 @@ Builder = Callable[[str], nn.Module]  # device name -> model constructed there
 
 
 def build_context(build: Builder, req: PlanRequest, measure_on: str | None) -> Context:
-    """Profile the model (fake tensors) and, where it runs here, time it for real."""
+    """Profile the model (fake tensors) and, where it runs here, time it for real.
+
+    On a CPU pool the model is timed as the workers of one node run it, concurrently; the
+    measurements are cached on disk per model and world size, and the context carries them into
+    the run's profile.json artifact.
+    """
     dtype = torch.bfloat16 if req.precision == "bf16-mixed" else torch.float32
     profile: ModelProfile = profile_model(build, req.seq_len, req.token_range, dtype)
     measured: MeasuredTimes | None = None
@@ -38,11 +45,34 @@ def build_context(build: Builder, req: PlanRequest, measure_on: str | None) -> C
         flops: dict[str, float] = {}
         for m in profile.modules:
             flops[m.unit] = flops.get(m.unit, 0.0) + m.fwd_flops.at(1)
-        measured = measure_times(build, req.seq_len, req.token_range, torch.device(measure_on), flops)
-        if measure_on == "cpu" and req.world_size > 1:
-            comm = cached_comm(req.world_size)
+        if measure_on == "cpu":
+            ranks = min(req.world_size, req.workers_per_node)
+            key = f"{req.model_label}|{structure_hash(build('meta'))}|{dtype}"
+            measured, overheads = measure_on_ranks(build, req.seq_len, req.token_range, flops, ranks, key)
+            if req.world_size > 1:
+                comm = cached_comm(req.world_size)
+                if overheads is not None:
+                    comm = calibrated_comm(comm, overheads, profile, req, measured)
+        else:
+            measured = measure_times(build, req.seq_len, req.token_range, torch.device(measure_on), flops)
     return Context(profile, Topology(req.world_size, req.workers_per_node, req.device, comm), measured,
                    2 if req.precision == "bf16-mixed" else 4, req.optimizer, req.memory_limit_bytes)
+
+
+def calibrated_comm(comm: CommProfile, overheads: ModelOverheads, profile: ModelProfile, req: PlanRequest,
+                measured: MeasuredTimes) -> CommProfile:
+    """The host's probe costs scaled to what FSDP2 measurably adds to this model (see model_probe)."""
+    topo = Topology(req.world_size, req.workers_per_node, req.device, comm)
+    compute_bytes = 2 if req.precision == "bf16-mixed" else 4
+    params = sum(profile.param_bytes.values()) / 4
+    modelled, optimizer = {}, {}
+    for name in STRATEGIES:
+        strategy = Strategy(name)
+        opt = Option(strategy, 1 if strategy is Strategy.DDP else req.world_size)
+        modelled[name] = sum(comm_seconds(profile, u.name, opt, topo, compute_bytes) for u in profile.units)
+        saved = params * measured.optimizer_s_per_param * (1 - 1 / opt.group)
+        optimizer[name] = (saved, sum(profile.tensor_count.values()))
+    return calibrate(comm, overheads, modelled, optimizer)
 
 
 def _manual(model: nn.Module, req: PlanRequest, ctx: Context) -> Choice:

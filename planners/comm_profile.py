@@ -1,47 +1,45 @@
-"""Measured communication on a CPU pool: gloo collectives and FSDP2's per-unit cost, on real processes.
+"""Measured communication on a CPU pool: gloo collectives and FSDP2's own costs, on real processes.
 
-On CPU every collective blocks and FSDP2's Python hooks cost as much as the bytes moved, so presets
-cannot predict a step. This starts `world` gloo processes on this host (the workers of a CPU pool
-are processes like these), times all-gather, reduce-scatter and all-reduce of a large tensor
-(bandwidth), and times a stack of tiny FSDP2 units under each strategy against the same stack
-unsharded (the fixed cost one unit adds per step).
+On CPU every collective blocks and FSDP2's Python hooks and DTensor dispatch cost as much as the
+bytes moved, so presets cannot predict a step. This starts `world` gloo processes on this host (the
+workers of a CPU pool are processes like these) and measures:
+- bus bandwidth of all-gather, reduce-scatter and all-reduce on a large tensor;
+- per strategy, what FSDP2 adds to forward+backward over the same model unsharded, on stacks of
+  tiny units (U units of k tensors each, bytes negligible), fitted as
+  `step_fixed + U * (unit + k * tensor)`: a cost per step (the root), per unit and per tensor;
+- per strategy, what the optimizer step over DTensors adds per parameter tensor.
 """
 
-import json
-import os
-import socket
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from osdp_planners.local_ranks import cache_file, cached, rank_main, run_ranks, slowest
+
 LARGE = 4 << 20  # bytes of the bandwidth probes
-UNITS, WIDTH, REPEATS = 6, 16, 12
+WIDTH, REPEATS = 16, 15
+SHAPES = ((2, 1), (2, 4), (6, 1), (6, 4))  # (units, tensors per unit) of the probe stacks
 STRATEGIES = ("ddp", "zero2", "zero3")
-MEASURE_TIMEOUT_S = 300
+VERSION = 3  # bump when the fields change: cached files of another version are measured again
 
 
 @dataclass(frozen=True)
 class CommProfile:
     world_size: int
     bandwidth: dict[str, float]  # all_gather / reduce_scatter / all_reduce -> bus bytes per second
-    unit_cost_s: dict[str, float]  # strategy -> seconds one FSDP2 unit adds to a step, bytes aside
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    unit_cost_s: dict[str, float]  # strategy -> seconds one FSDP2 unit adds to forward+backward
+    tensor_cost_s: dict[str, float]  # strategy -> seconds each parameter tensor of a unit adds
+    optimizer_tensor_cost_s: dict[str, float]  # strategy -> seconds a DTensor adds to the optimizer step
+    step_fixed_s: float  # seconds FSDP2 adds once per forward+backward (root hooks, lazy state)
+    scale: dict[str, float] = field(default_factory=dict)  # strategy -> per-unit costs x this for one model
 
 
 def _median_time(fn: Callable[[], object], repeats: int = REPEATS) -> float:
@@ -55,76 +53,99 @@ def _median_time(fn: Callable[[], object], repeats: int = REPEATS) -> float:
     return statistics.median(times)
 
 
-def _stack() -> nn.Sequential:
+def _stack(units: int, tensors: int) -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(UNITS)))
+    return nn.Sequential(*(nn.Sequential(*(nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(tensors)))
+                           for _ in range(units)))
 
 
-def _step_time(model: nn.Module) -> float:
-    x = torch.randn(4, WIDTH)
-    return _median_time(lambda: model(x).sum().backward())
+def added_seconds(plain: nn.Module, sharded: nn.Module, step: Callable[[nn.Module], object]
+                  ) -> tuple[float, float]:
+    """Median seconds FSDP2 adds to forward+backward (`step`) and to an AdamW step, plain and sharded
+    runs interleaved so that drift in the machine's speed cancels out of each difference; each time
+    is the slowest rank's."""
+    models = (plain, sharded)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-4) for m in models]
+    step_diffs, opt_diffs = [], []
+    for i in range(REPEATS + 1):
+        steps, updates = [], []
+        for model, opt in zip(models, opts, strict=True):
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(model)
+            t1 = time.perf_counter()
+            opt.step()
+            steps.append(t1 - t0)
+            updates.append(time.perf_counter() - t1)
+        steps, updates = slowest(steps), slowest(updates)
+        if i:  # the first round builds FSDP2's lazy state and the optimizer's moments
+            step_diffs.append(steps[1] - steps[0])
+            opt_diffs.append(updates[1] - updates[0])
+    return statistics.median(step_diffs), statistics.median(opt_diffs)
 
 
-def _worker(rank: int, world: int, port: int, out: Path) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def probe_meshes(world: int) -> dict[str, DeviceMesh]:
+    """DP replicates over a (world, 1) mesh, as the runtime applies it; ZeRO shards over all ranks."""
+    return {"ddp": init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard")),
+            "zero": init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))}
+
+
+def shard_uniform(model: nn.Module, units: list[list[nn.Module]], strategy: str, meshes: dict[str, DeviceMesh]
+                  ) -> nn.Module:
+    """Every unit (its modules) under one strategy, the root over the rest."""
+    mesh = meshes["ddp" if strategy == "ddp" else "zero"]
+    for modules in units:
+        fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh,
+                    reshard_after_forward=strategy == "zero3")
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    return model
+
+
+def _tiny_step(model: nn.Module) -> None:
+    model(torch.ones(4, WIDTH)).sum().backward()
+
+
+def _fit(rows: list[tuple[float, ...]], values: list[float]) -> list[float]:
+    """Least-squares coefficients, clamped non-negative (a cost is never a saving)."""
+    coef = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64),
+                              torch.tensor(values, dtype=torch.float64).unsqueeze(1)).solution
+    return [max(float(c), 0.0) for c in coef.squeeze(1)]
+
+
+def _fsdp_costs(world: int) -> dict[str, object]:
+    meshes = probe_meshes(world)
+    unit, tensor, opt_tensor, fixed = {}, {}, {}, []
+    for strategy in STRATEGIES:
+        added = {}
+        for shape in SHAPES:
+            sharded = _stack(*shape)
+            shard_uniform(sharded, [[u] for u in sharded], strategy, meshes)
+            added[shape] = added_seconds(_stack(*shape), sharded, _tiny_step)
+        step, per_unit, per_tensor = _fit([(1.0, u, u * k) for u, k in SHAPES], [added[s][0] for s in SHAPES])
+        fixed.append(step)
+        unit[strategy], tensor[strategy] = per_unit, per_tensor
+        opt_tensor[strategy] = _fit([(1.0, u * k) for u, k in SHAPES], [added[s][1] for s in SHAPES])[1]
+    return {"unit_cost_s": unit, "tensor_cost_s": tensor, "optimizer_tensor_cost_s": opt_tensor,
+            "step_fixed_s": statistics.median(fixed)}
+
+
+def _measure(_rank: int, world: int, _args: list[str]) -> dict[str, Any]:
     n = LARGE // 4
     full, part = torch.zeros(n), torch.zeros(n // world)
     bus = (world - 1) / world * LARGE
     bandwidth = {
-        "all_gather": bus / _median_time(lambda: dist.all_gather_into_tensor(full, part), 5),
-        "reduce_scatter": bus / _median_time(lambda: dist.reduce_scatter_tensor(part, full), 5),
-        "all_reduce": 2 * bus / _median_time(lambda: dist.all_reduce(full), 5),
+        "all_gather": bus / _median_time(lambda: dist.all_gather_into_tensor(full, part)),
+        "reduce_scatter": bus / _median_time(lambda: dist.reduce_scatter_tensor(part, full)),
+        "all_reduce": 2 * bus / _median_time(lambda: dist.all_reduce(full)),
     }
-    plain = _step_time(_stack())
-    meshes = {"ddp": init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard")),
-              "zero": init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))}
-    cost = {}
-    for strategy in STRATEGIES:
-        model = _stack()
-        mesh = meshes["ddp" if strategy == "ddp" else "zero"]
-        for layer in model:
-            fully_shard(layer, mesh=mesh, reshard_after_forward=strategy == "zero3")
-        fully_shard(model, mesh=mesh, reshard_after_forward=False)
-        cost[strategy] = max(_step_time(model) - plain, 0.0) / UNITS
-    if rank == 0:
-        out.write_text(json.dumps(asdict(CommProfile(world, bandwidth, cost))))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def measure_comm(world_size: int) -> CommProfile:
-    """Start `world_size` gloo processes on this host and measure (seconds).
-
-    Plain subprocesses, not multiprocessing: spawn would re-import the caller's __main__.
-    """
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "comm.json"
-        port = _free_port()
-        cmd = [sys.executable, "-m", "osdp_planners.comm_profile", str(world_size), str(port), str(out)]
-        procs = [subprocess.Popen([*cmd[:3], str(rank), *cmd[3:]], cwd=tmp) for rank in range(world_size)]
-        codes = [p.wait(timeout=MEASURE_TIMEOUT_S) for p in procs]
-        if any(codes) or not out.is_file():
-            raise RuntimeError(f"measuring gloo collectives failed (exit codes {codes})")
-        return CommProfile(**json.loads(out.read_text()))
-
-
-def cache_path(world_size: int) -> Path:
-    """One measurement per host, torch version and world size (what it depends on)."""
-    root = Path(os.environ.get("OSDP_CACHE_DIR", Path.home() / ".cache" / "osdp-platform"))
-    return root / f"comm-{socket.gethostname()}-torch{torch.__version__}-w{world_size}.json"
+    return {"world_size": world, "bandwidth": bandwidth, **_fsdp_costs(world)}
 
 
 def cached_comm(world_size: int) -> CommProfile:
-    path = cache_path(world_size)
-    if path.is_file():
-        return CommProfile(**json.loads(path.read_text()))
-    profile = measure_comm(world_size)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(asdict(profile)))
-    return profile
+    """Measured once per host, torch version and world size (what it depends on), then read from disk."""
+    path = cache_file(f"comm-v{VERSION}", f"w{world_size}")
+    return CommProfile(**cached(path, lambda: run_ranks("osdp_planners.comm_profile", world_size, [])))
 
 
 if __name__ == "__main__":
-    _rank, _world, _port, _out = sys.argv[1:5]
-    _worker(int(_rank), int(_world), int(_port), Path(_out))
+    rank_main(_measure)

@@ -113,7 +113,7 @@ def candidates(ctx: Context, unit: str, options: list[Option], batch: int, accum
 def evaluate(ctx: Context, options: dict[str, Option], batch: int, accum: int) -> Evaluation:
     timeline = simulate(ctx.profile, options, batch, ctx.compute_bytes, ctx.optimizer)
     times = {u: unit_seconds(ctx, u, o, batch, accum) for u, o in options.items()}
-    step = sum(times.values())
+    step = sum(times.values()) + accum * ctx.topo.step_fixed_s
     samples = batch * accum * ctx.topo.world_size
     return Evaluation(timeline.peak, step, samples / step, times,
                       {u: resident(ctx, u, o, batch) for u, o in options.items()}, timeline)

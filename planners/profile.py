@@ -60,6 +60,7 @@ class ModelProfile:
     modules: list[ModuleProfile]  # in forward execution order
     param_bytes: dict[str, int]  # unit -> fp32 bytes of its parameters
     linear_bytes: dict[str, list[int]]  # unit -> fp32 bytes of each Linear a split would slice
+    linear_tensors: dict[str, list[int]]  # unit -> parameter tensors of each of those Linears
     peak_loss: Linear1  # activation bytes at the peak between the last forward and the first backward
 
     @cached_property
@@ -69,6 +70,10 @@ class ModelProfile:
         for m in self.modules:
             out.setdefault(m.unit, []).append(m)
         return out
+
+    @cached_property
+    def tensor_count(self) -> dict[str, int]:
+        return {u.name: u.tensor_count for u in self.units}
 
 
 def _run_once(model: nn.Module, modules: dict[str, str], batch: int, seq_len: int, vocab: int
@@ -182,8 +187,9 @@ def profile_model(build: Callable[[str], nn.Module], seq_len: int, vocab_size: i
         units = find_units(model)
         unit_of = {m: u.name for u in units for m in u.modules if m}
         param_bytes = {u.name: 4 * u.param_count for u in units}
-        linear_bytes = {u.name: [4 * sum(p.numel() for p in model.get_submodule(path).parameters())
-                                 for path in u.linears] for u in units}
+        linear_params = {u.name: [list(model.get_submodule(path).parameters()) for path in u.linears] for u in units}
+        linear_bytes = {u: [4 * sum(p.numel() for p in ps) for ps in lin] for u, lin in linear_params.items()}
+        linear_tensors = {u: [len(ps) for ps in lin] for u, lin in linear_params.items()}
         blocks = _truncate_repeats(model)
         live = {path for path, _ in model.named_modules()}
         modules = {m: u for m, u in unit_of.items() if m in live}
@@ -196,4 +202,4 @@ def profile_model(build: Callable[[str], nn.Module], seq_len: int, vocab_size: i
         ModuleProfile(path, unit_of[path], **{k: Linear1.fit(r1[path][k], r2[path][k], b1, b2) for k in r1[path]})
         for path in dict.fromkeys(order)
     ]
-    return ModelProfile(units, profiles, param_bytes, linear_bytes, Linear1.fit(loss1, loss2, b1, b2))
+    return ModelProfile(units, profiles, param_bytes, linear_bytes, linear_tensors, Linear1.fit(loss1, loss2, b1, b2))

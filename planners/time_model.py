@@ -4,8 +4,10 @@ Collectives per micro step and unit (bytes as the ring moves them, (g-1)/g of th
 ZeRO-3 and HSDP gather in forward and again in backward and reduce-scatter the gradients (HSDP then
 all-reduces its 1/g shard across the replicas); ZeRO-2 gathers once; DP all-reduces the gradients.
 On GPUs FSDP2 runs collectives on their own streams, so a unit costs max(compute, communication);
-gloo on CPU blocks, so there they add. Each extra slice of a split operator adds one collective
-latency per gather and per reduction. The optimizer step scales with the parameters a rank owns.
+gloo on CPU blocks, so there they add. Each slice of a split operator is an FSDP2 unit of its own:
+one more collective latency per gather and per reduction. The optimizer step scales with the
+parameters a rank owns. On CPU pools FSDP2's fixed costs (hooks, per-tensor copies, DTensor dispatch
+in the optimizer) are measured (see comm_profile) and charged per FSDP2 unit and per tensor.
 """
 
 from dataclasses import dataclass
@@ -39,6 +41,11 @@ class Topology:
         link = self.link(group)
         return calls * link.latency_s + factor * nbytes * (group - 1) / group / link.bandwidth_bytes_per_s
 
+    @property
+    def step_fixed_s(self) -> float:
+        """What FSDP2 costs once per forward+backward, whatever the plan (measured on CPU pools)."""
+        return self.measured.step_fixed_s if self.measured else 0.0
+
     def replica_link(self, group: int) -> int:
         """Ranks one shard is all-reduced across in HSDP (or DP): the replicas."""
         return self.world_size // group
@@ -61,31 +68,49 @@ def compute_seconds(profile: ModelProfile, unit: str, batch: int, topo: Topology
     return fwd, BACKWARD_FLOPS_RATIO * fwd
 
 
-def _measured_comm(comm: CommProfile, full: float, gathered: float, opt: Option, slices: int, world: int
+def fsdp_units(profile: ModelProfile, unit: str, opt: Option) -> list[int]:
+    """Parameter tensors of each FSDP2 unit an option makes of `unit`: every slice of its split
+    Linears, then the unit itself with what is left."""
+    if opt.split == 1:
+        return [profile.tensor_count[unit]]
+    linears = profile.linear_tensors[unit]
+    return [t for t in linears for _ in range(opt.split)] + [profile.tensor_count[unit] - sum(linears)]
+
+
+def measured_kind(opt: Option) -> str:
+    """The probed strategy an option behaves like: HSDP over groups of one is DP, otherwise ZeRO-3-like."""
+    if opt.strategy is Strategy.HSDP:
+        return "ddp" if opt.group == 1 else "zero3"
+    return opt.strategy.value
+
+
+def _measured_comm(comm: CommProfile, full: float, gathered: float, opt: Option, units: list[int], world: int
                    ) -> float:
-    """Measured per-unit FSDP2 cost per slice plus the bytes at the measured bus bandwidths."""
+    """Measured FSDP2 cost of each of its units and tensors, plus the bytes at the measured bandwidths,
+    scaled to the model where it was calibrated (see model_probe)."""
     g = opt.group
-    strategy = "zero3" if opt.strategy is Strategy.HSDP else opt.strategy.value
-    t = comm.unit_cost_s[strategy] * slices
+    kind = measured_kind(opt)
+    t = sum(comm.unit_cost_s[kind] + comm.tensor_cost_s[kind] * n for n in units)
     if opt.strategy is Strategy.DDP:
-        return t + 2 * full * (world - 1) / world / comm.bandwidth["all_reduce"]
-    gathers = 1 if opt.strategy is Strategy.ZERO2 else 2
-    t += gathers * gathered * (g - 1) / g / comm.bandwidth["all_gather"]
-    t += full * (g - 1) / g / comm.bandwidth["reduce_scatter"]
+        t += 2 * full * (world - 1) / world / comm.bandwidth["all_reduce"]
+    else:
+        gathers = 1 if opt.strategy is Strategy.ZERO2 else 2
+        t += gathers * gathered * (g - 1) / g / comm.bandwidth["all_gather"]
+        t += full * (g - 1) / g / comm.bandwidth["reduce_scatter"]
     if opt.strategy is Strategy.HSDP:
         r = world // g
         t += 2 * full / g * (r - 1) / r / comm.bandwidth["all_reduce"]
-    return t
+    return t * comm.scale.get(kind, 1.0)
 
 
 def comm_seconds(profile: ModelProfile, unit: str, opt: Option, topo: Topology, compute_bytes: int) -> float:
     """Communication of one unit in one micro step (gradients synchronised every micro step)."""
     full = profile.param_bytes[unit]
     gathered = full * compute_bytes / 4
-    n_linear = len(profile.linear_bytes[unit])
-    slices = 1 + (opt.split - 1) * n_linear if opt.split > 1 else 1  # collectives per pass
+    units = fsdp_units(profile, unit, opt)
+    slices = sum(1 for n in units if n)  # collectives per pass (a unit left without tensors has none)
     if topo.measured is not None:
-        return _measured_comm(topo.measured, full, gathered, opt, slices, topo.world_size)
+        return _measured_comm(topo.measured, full, gathered, opt, units, topo.world_size)
     g = opt.group
     if opt.strategy is Strategy.DDP:
         return topo.ring(full, topo.world_size, slices, factor=2.0)
@@ -107,9 +132,14 @@ def unit_time(profile: ModelProfile, unit: str, opt: Option, batch: int, topo: T
 
 def optimizer_seconds(profile: ModelProfile, options: dict[str, Option], topo: Topology,
                       measured: MeasuredTimes | None) -> float:
-    """AdamW touches each owned parameter a fixed number of times: memory-bound, linear in the shard."""
+    """AdamW touches each owned parameter a fixed number of times: memory-bound, linear in the shard.
+    Where measured, each DTensor adds its dispatch cost."""
     if measured:
         per_param = measured.optimizer_s_per_param
     else:
         per_param = ADAMW_BYTES_PER_PARAM / topo.device.memory_bandwidth_bytes_per_s
-    return sum(profile.param_bytes[u] / 4 / o.group * per_param for u, o in options.items())
+    t = sum(profile.param_bytes[u] / 4 / o.group * per_param for u, o in options.items())
+    if topo.measured is not None:
+        cost = topo.measured.optimizer_tensor_cost_s
+        t += sum(cost[measured_kind(o)] * sum(fsdp_units(profile, u, o)) for u, o in options.items())
+    return t

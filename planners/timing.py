@@ -1,13 +1,15 @@
-"""Measured compute time on the sample worker: real tensors, forward and backward, two batches.
+"""Measured compute time: real tensors, forward and backward at two batches, and the optimizer step.
 
-Used when the model fits on the worker (always for CPU pools, whose presets carry no reliable FLOP
-rate); otherwise the cost model falls back to FLOPs over the preset's sustained rate.
+Used when the model fits where it is measured (always for CPU pools, whose presets carry no reliable
+FLOP rate); otherwise the cost model falls back to FLOPs over the preset's sustained rate. A GPU is
+timed in this process; a CPU pool on concurrent processes, as its workers run (see model_probe).
 """
 
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +18,7 @@ from torch import nn
 from osdp_planners.profile import Linear1
 
 TIMING_BATCHES = (1, 4)
-REPEATS = 5
+REPEATS = 9
 
 
 @dataclass(frozen=True)
@@ -31,12 +33,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def lm_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    logits = model(x)
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x.reshape(-1))
+
+
 def _time_pass(model: nn.Module, x: torch.Tensor, device: torch.device) -> tuple[float, float]:
     """Seconds of one forward (with the loss) and of its backward (synchronised on CUDA)."""
     _sync(device)
     t0 = time.perf_counter()
-    logits = model(x)
-    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x.reshape(-1))
+    loss = lm_loss(model, x)
     _sync(device)
     t1 = time.perf_counter()
     loss.backward()
@@ -44,39 +50,63 @@ def _time_pass(model: nn.Module, x: torch.Tensor, device: torch.device) -> tuple
     return t1 - t0, time.perf_counter() - t1
 
 
-def measure_times(build: Callable[[str], nn.Module], seq_len: int, vocab_size: int, device: torch.device,
-                  flops: dict[str, float]) -> MeasuredTimes:
-    """Whole-model forward and backward times (median of REPEATS) at two batches, shared out by FLOPs.
+def measure_totals(model: nn.Module, seq_len: int, vocab_size: int, device: torch.device,
+                   barrier: Callable[[], object] = lambda: None,
+                   slowest: Callable[[list[float]], list[float]] = lambda t: t) -> dict[str, Any]:
+    """Whole-model medians: forward and backward seconds per timing batch, AdamW seconds per parameter.
 
-    Timings of single small units are noise on a busy CPU; the whole pass is stable, and a unit's
-    share of it follows its share of the FLOPs (`flops`: unit -> forward FLOPs). Fits are clamped
-    to be non-negative.
+    The batches take turns, so a slow spell of a shared machine does not bend the fitted slope.
+    `barrier` lines concurrent processes up before each pass, as a training step's collectives do,
+    and `slowest` turns each rank's time into the slowest rank's (the step's).
     """
-    model = build(str(device))
-    totals = {}
-    for batch in TIMING_BATCHES:
-        x = torch.randint(0, vocab_size, (batch, seq_len), device=device)
-        runs = [_time_pass(model, x, device) for _ in range(REPEATS + 1)][1:]
-        totals[batch] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
-    b1, b2 = TIMING_BATCHES
-    whole = sum(flops.values()) or 1.0
-    share = {u: f / whole for u, f in flops.items()}
-
-    def fit(i: int) -> Linear1:
-        line = Linear1.fit(totals[b1][i], totals[b2][i], b1, b2)
-        return Linear1(max(line.a, 0.0), max(line.b, 0.0))
-
-    fwd, bwd = fit(0), fit(1)
+    inputs = {b: torch.randint(0, vocab_size, (b, seq_len), device=device) for b in TIMING_BATCHES}
+    runs: dict[int, list[list[float]]] = {b: [] for b in TIMING_BATCHES}
+    for i in range(REPEATS + 1):
+        for batch, x in inputs.items():
+            barrier()
+            timed = slowest(list(_time_pass(model, x, device)))
+            if i:  # the first round warms up allocator and kernels
+                runs[batch].append(timed)
+    totals: dict[str, Any] = {
+        "forward": {str(b): statistics.median(r[0] for r in rs) for b, rs in runs.items()},
+        "backward": {str(b): statistics.median(r[1] for r in rs) for b, rs in runs.items()},
+    }
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     opt.step()
-    _sync(device)
-    t0 = time.perf_counter()
+    steps = []
     for _ in range(REPEATS):
+        barrier()
+        _sync(device)
+        t0 = time.perf_counter()
         opt.step()
-    _sync(device)
-    n_params = sum(p.numel() for p in model.parameters())
+        _sync(device)
+        steps += slowest([time.perf_counter() - t0])
+    totals["optimizer_s_per_param"] = statistics.median(steps) / sum(p.numel() for p in model.parameters())
+    return totals
+
+
+def share_by_flops(totals: dict[str, Any], flops: dict[str, float]) -> MeasuredTimes:
+    """Whole-pass times shared out by FLOPs (`flops`: unit -> forward FLOPs).
+
+    Timings of single small units are noise on a busy CPU; the whole pass is stable, and a unit's
+    share of it follows its share of the FLOPs. Fits are clamped to be non-negative.
+    """
+    b1, b2 = TIMING_BATCHES
+    whole = sum(flops.values()) or 1.0
+
+    def fit(kind: str) -> Linear1:
+        line = Linear1.fit(totals[kind][str(b1)], totals[kind][str(b2)], b1, b2)
+        return Linear1(max(line.a, 0.0), max(line.b, 0.0))
+
+    fwd, bwd = fit("forward"), fit("backward")
     return MeasuredTimes(
-        {u: Linear1(fwd.a * s, fwd.b * s) for u, s in share.items()},
-        {u: Linear1(bwd.a * s, bwd.b * s) for u, s in share.items()},
-        (time.perf_counter() - t0) / REPEATS / n_params,
+        {u: Linear1(fwd.a * f / whole, fwd.b * f / whole) for u, f in flops.items()},
+        {u: Linear1(bwd.a * f / whole, bwd.b * f / whole) for u, f in flops.items()},
+        totals["optimizer_s_per_param"],
     )
+
+
+def measure_times(build: Callable[[str], nn.Module], seq_len: int, vocab_size: int, device: torch.device,
+                  flops: dict[str, float]) -> MeasuredTimes:
+    """Time the model in this process on `device`."""
+    return share_by_flops(measure_totals(build(str(device)), seq_len, vocab_size, device), flops)

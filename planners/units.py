@@ -21,6 +21,7 @@ class Unit:
     modules: tuple[str, ...]  # module paths ("" is the root module)
     param_count: int
     linears: tuple[str, ...]  # Linear modules an operator split would slice (untied weights only)
+    tensor_count: int  # parameter tensors (FSDP2's per-tensor costs scale with it)
 
 
 def _has_params(module: nn.Module) -> bool:
@@ -78,7 +79,7 @@ def find_units(model: nn.Module) -> list[Unit]:
     units = [_make_unit(model, mods, ids, tied) for mods, ids in merged]
     leftover = [p for p in model.parameters() if id(p) not in owned]
     if leftover:
-        units.append(Unit(ROOT, ("",), sum(p.numel() for p in leftover), ()))
+        units.append(Unit(ROOT, ("",), sum(p.numel() for p in leftover), (), len(leftover)))
     return units
 
 
@@ -102,8 +103,8 @@ def _make_unit(model: nn.Module, mods: list[str], ids: set[int], tied: set[int])
         for n, sub in model.get_submodule(m).named_modules()
         if isinstance(sub, nn.Linear) and id(sub.weight) in ids and id(sub.weight) not in tied
     )
-    count = sum(p.numel() for p in model.parameters() if id(p) in ids)
-    return Unit("+".join(mods), tuple(mods), count, linears)
+    params = [p for p in model.parameters() if id(p) in ids]
+    return Unit("+".join(mods), tuple(mods), sum(p.numel() for p in params), linears, len(params))
 
 
 def structure_hash(model: nn.Module) -> str:

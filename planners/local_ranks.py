@@ -1,0 +1,77 @@
+"""Measurements that need the workers' conditions: N gloo processes on this host, and a disk cache.
+
+A CPU pool's workers are processes that share this host's cores, so one process timed alone runs
+faster than each of them will. Probes therefore run as `world` concurrent single-threaded ranks,
+started as plain subprocesses (multiprocessing's spawn would re-import the caller's __main__).
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+TIMEOUT_S = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ranks(module: str, world: int, args: list[str]) -> dict[str, Any]:
+    """Run `python -m module RANK WORLD PORT OUT *args` as `world` ranks; returns what rank 0 wrote to OUT."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out.json"
+        port = str(_free_port())
+        # the caller's import path, so a model defined in the caller's modules unpickles there too
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        procs = [subprocess.Popen([sys.executable, "-m", module, str(rank), str(world), port, str(out), *args],
+                                  cwd=tmp, env=env) for rank in range(world)]
+        codes = [p.wait(timeout=TIMEOUT_S) for p in procs]
+        if any(codes) or not out.is_file():
+            raise RuntimeError(f"measuring on {world} local ranks ({module}) failed (exit codes {codes})")
+        return json.loads(out.read_text())
+
+
+def rank_main(body: Callable[[int, int, list[str]], dict[str, Any] | None]) -> None:
+    """Entry point of one rank: join the gloo group, run `body(rank, world, args)`, rank 0 writes its result."""
+    rank, world, port, out, *args = sys.argv[1:]
+    torch.set_num_threads(1)  # as a worker holding one CPU of the pool
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=int(rank), world_size=int(world))
+    result = body(int(rank), int(world), args)
+    if int(rank) == 0:
+        Path(out).write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def slowest(seconds: list[float]) -> list[float]:
+    """Each duration as the slowest rank took it: a step ends when its last rank does, and that is
+    what the runtime reports as step time."""
+    t = torch.tensor(seconds, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def cache_file(kind: str, key: str) -> Path:
+    """Where a measurement of this host and torch version is kept (`key` names what else it depends on)."""
+    root = Path(os.environ.get("OSDP_CACHE_DIR", Path.home() / ".cache" / "osdp-platform"))
+    return root / f"{kind}-{socket.gethostname()}-torch{torch.__version__}-{key}.json"
+
+
+def cached(path: Path, measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    if path.is_file():
+        return json.loads(path.read_text())
+    result = measure()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result))
+    return result

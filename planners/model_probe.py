@@ -1,0 +1,93 @@
+"""The model timed as a CPU pool's workers run it: its compute, and what FSDP2 adds to it per strategy.
+
+Workers sharing a host's cores are slower than one process alone, so the model is timed on as many
+concurrent single-threaded ranks as one node runs workers. The probe stacks of comm_profile give
+the shape of FSDP2's costs (per unit, per tensor, per byte), but a real model's units cost more
+than tiny ones: at every collective a rank waits for the others' compute, and copies grow with the
+tensors. A CPU pool's model always fits the host, so the ranks also run it plain and under uniform
+DP, ZeRO-2 and ZeRO-3; `calibrate` scales the probes' per-unit costs so that each uniform plan adds
+what was measured, and mixed plans are charged unit by unit at those rates.
+"""
+
+import dataclasses
+import hashlib
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from osdp_planners.comm_profile import STRATEGIES, CommProfile, added_seconds, probe_meshes, shard_uniform
+from osdp_planners.local_ranks import cache_file, cached, rank_main, run_ranks, slowest
+from osdp_planners.timing import TIMING_BATCHES, MeasuredTimes, lm_loss, measure_totals, share_by_flops
+from osdp_planners.units import ROOT, find_units
+
+VERSION = 1  # of the cached measurement's format
+SCALE_RANGE = (0.5, 4.0)  # a calibration outside this is noise, not the model
+
+
+@dataclass(frozen=True)
+class ModelOverheads:
+    """Seconds FSDP2 adds to this model on the pool's ranks, per uniform strategy."""
+
+    step_added_s: dict[str, float]  # to forward+backward at the larger timing batch
+    optimizer_added_s: dict[str, float]  # to the AdamW step
+
+
+def _overheads(build: Callable[[str], nn.Module], seq_len: int, vocab_size: int, world: int) -> dict[str, Any]:
+    meshes = probe_meshes(world)
+    x = torch.randint(0, vocab_size, (TIMING_BATCHES[-1], seq_len))
+    out: dict[str, dict[str, float]] = {"step_added_s": {}, "optimizer_added_s": {}}
+    for strategy in STRATEGIES:
+        plain, sharded = build("cpu"), build("cpu")
+        units = [[sharded.get_submodule(m) for m in u.modules] for u in find_units(sharded) if u.name != ROOT]
+        shard_uniform(sharded, units, strategy, meshes)
+        step, opt = added_seconds(plain, sharded, lambda m: lm_loss(m, x).backward())
+        out["step_added_s"][strategy], out["optimizer_added_s"][strategy] = step, opt
+    return out
+
+
+def _measure_rank(_rank: int, world: int, args: list[str]) -> dict[str, Any]:
+    with open(args[0], "rb") as f:
+        build, seq_len, vocab_size = cloudpickle.load(f)
+    torch.manual_seed(0)
+    totals = measure_totals(build("cpu"), seq_len, vocab_size, torch.device("cpu"), dist.barrier, slowest)
+    return {"totals": totals, "overheads": _overheads(build, seq_len, vocab_size, world) if world > 1 else None}
+
+
+def measure_on_ranks(build: Callable[[str], nn.Module], seq_len: int, vocab_size: int, flops: dict[str, float],
+                     ranks: int, model_key: str) -> tuple[MeasuredTimes, ModelOverheads | None]:
+    """Time the model on `ranks` concurrent CPU processes; cached per model (`model_key`), shape and ranks."""
+    key = hashlib.sha256(f"{model_key}|{seq_len}|{vocab_size}|{TIMING_BATCHES}".encode()).hexdigest()[:16]
+    with tempfile.NamedTemporaryFile(suffix=".pkl") as f:
+        cloudpickle.dump((build, seq_len, vocab_size), f)
+        f.flush()
+        result = cached(cache_file(f"model-v{VERSION}", f"{key}-r{ranks}"),
+                        lambda: run_ranks("osdp_planners.model_probe", ranks, [f.name]))
+    overheads = ModelOverheads(**result["overheads"]) if result["overheads"] else None
+    return share_by_flops(result["totals"], flops), overheads
+
+
+def calibrate(comm: CommProfile, overheads: ModelOverheads, modelled_step_s: dict[str, float],
+              optimizer_fixed: dict[str, tuple[float, int]]) -> CommProfile:
+    """The probes' costs rescaled to this model.
+
+    `modelled_step_s`: strategy -> what the probes predict FSDP2's units add to the whole model's
+    forward+backward (the per-step fixed cost aside). `optimizer_fixed`: strategy -> (seconds the
+    plain per-parameter update saves by sharding, DTensors in the model), so that the measured
+    optimizer difference leaves the cost per DTensor.
+    """
+    lo, hi = SCALE_RANGE
+    added = {s: overheads.step_added_s[s] - comm.step_fixed_s for s in STRATEGIES}
+    scale = {s: min(max(added[s] / modelled_step_s[s], lo), hi) if modelled_step_s[s] > 0 else 1.0 for s in STRATEGIES}
+    per_tensor = {s: max((overheads.optimizer_added_s[s] + saved) / tensors, 0.0)
+                  for s, (saved, tensors) in optimizer_fixed.items()}
+    return dataclasses.replace(comm, scale=scale, optimizer_tensor_cost_s=per_tensor)
+
+
+if __name__ == "__main__":
+    rank_main(_measure_rank)

@@ -1,0 +1,106 @@
+"""The CPU-pool step-time model: FSDP2 units a split makes, HSDP over groups of one, calibration to the
+model, and the model probe on real gloo ranks."""
+
+from pathlib import Path
+
+import pytest
+from test_search import builder, context, request
+
+from osdp_planners import calibrated_comm
+from osdp_planners.comm_profile import STRATEGIES, CommProfile
+from osdp_planners.model_probe import ModelOverheads, measure_on_ranks
+from osdp_planners.options import Option
+from osdp_planners.plan import Strategy
+from osdp_planners.time_model import Topology, comm_seconds, fsdp_units, optimizer_seconds
+from osdp_planners.timing import MeasuredTimes
+
+COMM = CommProfile(
+    world_size=4,
+    bandwidth={"all_gather": 2e8, "reduce_scatter": 1.5e8, "all_reduce": 5e8},
+    unit_cost_s={"ddp": 2e-3, "zero2": 4e-3, "zero3": 6e-3},
+    tensor_cost_s={"ddp": 2e-4, "zero2": 1e-4, "zero3": 3e-4},
+    optimizer_tensor_cost_s={"ddp": 3e-4, "zero2": 3e-4, "zero3": 3e-4},
+    step_fixed_s=1e-3,
+)
+
+
+def uniform(strategy: Strategy, world: int) -> Option:
+    return Option(strategy, 1 if strategy is Strategy.DDP else world)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("split", [2, 4, 8])
+def test_a_split_unit_is_one_fsdp_unit_per_slice_plus_the_rest(family: str, split: int) -> None:
+    model = builder(family, 2)("meta")
+    profile = context(family).profile
+    for unit in profile.units:
+        if not unit.linears:
+            continue
+        linears = [len(list(model.get_submodule(p).parameters())) for p in unit.linears]
+        units = fsdp_units(profile, unit.name, Option(Strategy.ZERO3, 4, split))
+        assert len(units) == split * len(linears) + 1, unit.name
+        assert sorted(units[:-1]) == sorted(t for t in linears for _ in range(split))
+        assert sum(units) == unit.tensor_count + (split - 1) * sum(linears), unit.name
+        assert fsdp_units(profile, unit.name, Option(Strategy.ZERO3, 4)) == [unit.tensor_count]
+
+
+def test_hsdp_over_groups_of_one_is_charged_as_replication() -> None:
+    ctx = context("llama")
+    topo = Topology(4, 4, ctx.topo.device, COMM)
+    for unit in ctx.profile.units:
+        dp = comm_seconds(ctx.profile, unit.name, Option(Strategy.DDP, 1), topo, 4)
+        assert comm_seconds(ctx.profile, unit.name, Option(Strategy.HSDP, 1), topo, 4) == pytest.approx(dp)
+        assert comm_seconds(ctx.profile, unit.name, Option(Strategy.HSDP, 2), topo, 4) > dp
+
+
+@pytest.mark.parametrize("added_ms", [(20.0, 30.0, 45.0), (30.0, 50.0, 90.0)])
+def test_calibrated_uniform_plans_add_what_was_measured(added_ms: tuple[float, float, float]) -> None:
+    ctx = context("llama")
+    req = request("llama", workers=4)
+    per_param = 1e-8
+    measured = MeasuredTimes(ctx.measured.forward if ctx.measured else {}, {}, per_param)
+    overheads = ModelOverheads(step_added_s={s: ms / 1e3 for s, ms in zip(STRATEGIES, added_ms, strict=True)},
+                               optimizer_added_s={"ddp": 6e-3, "zero2": 5e-3, "zero3": 4.5e-3})
+    comm = calibrated_comm(COMM, overheads, ctx.profile, req, measured)
+    topo = Topology(4, 4, ctx.topo.device, comm)
+    plain_topo = Topology(4, 4, ctx.topo.device, None)
+    for name in STRATEGIES:
+        opt = uniform(Strategy(name), 4)
+        options = {u.name: opt for u in ctx.profile.units}
+        step = sum(comm_seconds(ctx.profile, u, opt, topo, 4) for u in options) + topo.step_fixed_s
+        assert step == pytest.approx(overheads.step_added_s[name], rel=1e-9), name
+        plain_options = {u: Option(Strategy.DDP, 1) for u in options}
+        added_opt = (optimizer_seconds(ctx.profile, options, topo, measured)
+                     - optimizer_seconds(ctx.profile, plain_options, plain_topo, measured))
+        assert added_opt == pytest.approx(overheads.optimizer_added_s[name], rel=1e-9), name
+
+
+def test_a_calibration_far_off_the_probes_is_taken_as_noise_and_bounded() -> None:
+    ctx = context("llama")
+    measured = MeasuredTimes({}, {}, 1e-8)
+    absurd = ModelOverheads({s: 100.0 for s in STRATEGIES}, {s: 0.0 for s in STRATEGIES})
+    comm = calibrated_comm(COMM, absurd, ctx.profile, request("llama", workers=4), measured)
+    for name in STRATEGIES:
+        opt = uniform(Strategy(name), 4)
+        raw = sum(comm_seconds(ctx.profile, u.name, opt, Topology(4, 4, ctx.topo.device, COMM), 4)
+                  for u in ctx.profile.units)
+        scaled = sum(comm_seconds(ctx.profile, u.name, opt, Topology(4, 4, ctx.topo.device, comm), 4)
+                     for u in ctx.profile.units)
+        assert raw < scaled <= 4 * raw + 1e-12, name
+
+
+def test_model_probe_times_the_model_on_real_ranks_and_caches_it(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OSDP_CACHE_DIR", str(tmp_path))
+    build = builder("llama", 2)
+    flops = {u.name: 1.0 for u in context("llama").profile.units}
+    times, overheads = measure_on_ranks(build, 32, 256, flops, 2, "llama-tiny-2")
+    assert overheads is not None
+    assert all(overheads.step_added_s[s] > 0 for s in STRATEGIES), overheads
+    # ZeRO-3 gathers in forward and again in backward, then reduce-scatters; DP all-reduces once
+    assert overheads.step_added_s["zero3"] > overheads.step_added_s["ddp"], overheads
+    fwd = sum(line.at(4) - line.at(1) for line in times.forward.values())
+    assert fwd > 0 and times.optimizer_s_per_param > 0
+    assert len(list(tmp_path.glob("model-*-r2.json"))) == 1
+    again, cached = measure_on_ranks(build, 32, 256, flops, 2, "llama-tiny-2")
+    assert again == times and cached == overheads  # read back, not measured again (noise would differ)
