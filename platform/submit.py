@@ -2,6 +2,7 @@
 
 import statistics
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,8 @@ from osdp_platform.planning import plan_on_sample_worker
 from osdp_platform.recipe import Recipe
 from osdp_platform.tracking import RunTracker
 from osdp_platform.worker import train_loop
+
+FLUSH_EVERY_S = 5.0
 
 
 @dataclass
@@ -64,21 +67,35 @@ class RunSummary:
 
 def _pump(queue: Queue, tracker: RunTracker, summary: RunSummary, progress: Progress, task: int,
           done: threading.Event) -> None:
-    """Move per-step metrics from the workers to MLflow and the progress bar until training ends."""
+    """Move per-step metrics from the workers to MLflow and the progress bar until training ends.
+
+    Metrics are written every FLUSH_EVERY_S, not every step: the driver shares the machine with the
+    workers it measures, and a request per step would slow them (and cost a round trip per step on a
+    remote tracking server). A checkpoint flushes first, so its tags never run ahead of its metrics.
+    """
+    pending: list[tuple[int, dict[str, float]]] = []
+    flushed = time.monotonic()
     while not (done.is_set() and queue.empty()):
         try:
             item = queue.get(timeout=0.25)
         except Empty:
-            continue
+            item = None
         if isinstance(item, CheckpointSaved):
+            tracker.log_steps(pending)
+            pending.clear()
             tracker.client.set_tag(tracker.run_id, CHECKPOINT_PATH_TAG, item.path)
             tracker.client.set_tag(tracker.run_id, CHECKPOINT_STEP_TAG, str(item.step))
-            continue
-        step, metrics = item
-        summary.record(step, metrics)
-        tracker.log_metrics(metrics, step=step)
-        progress.update(task, completed=step + 1,
-                        description=f"loss {metrics['loss']:.3f}  {metrics['tokens_per_s']:.0f} tok/s")
+        elif item is not None:
+            step, metrics = item
+            summary.record(step, metrics)
+            pending.append((step, metrics))
+            progress.update(task, completed=step + 1,
+                            description=f"loss {metrics['loss']:.3f}  {metrics['tokens_per_s']:.0f} tok/s")
+        if pending and time.monotonic() - flushed > FLUSH_EVERY_S:
+            tracker.log_steps(pending)
+            pending.clear()
+            flushed = time.monotonic()
+    tracker.log_steps(pending)
 
 
 def _table(recipe: Recipe, summary: RunSummary) -> Table:
@@ -141,7 +158,7 @@ def submit(recipe: Recipe, address: str | None = None, console: Console | None =
     )
     done = threading.Event()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console) as progress:
+    with Progress(*columns, console=console, refresh_per_second=2) as progress:
         task = progress.add_task("training", total=recipe.train.steps, completed=summary.first_step)
         pump = threading.Thread(target=_pump, args=(queue, tracker, summary, progress, task, done), daemon=True)
         pump.start()

@@ -9,6 +9,8 @@ from osdp_planners.plan import Plan
 from osdp_platform.recipe import Recipe
 from osdp_platform.recipe_loader import flatten, recipe_to_yaml
 
+MAX_METRICS_PER_BATCH = 1000  # MLflow's limit for one log_batch
+
 
 def predicted_metrics(plan: Plan) -> dict[str, float]:
     """The planner's predictions under the names they are compared with (predicted_* next to measured)."""
@@ -58,11 +60,15 @@ class RunTracker:
         return MlflowClient(self.uri)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        if metrics:
-            self.client.log_batch(self.run_id, metrics=[
-                mlflow.entities.Metric(k, float(v), mlflow.utils.time.get_current_time_millis(), step)
-                for k, v in metrics.items()
-            ])
+        self.log_steps([(step, metrics)])
+
+    def log_steps(self, steps: list[tuple[int, dict[str, float]]]) -> None:
+        """Several steps' metrics in as few requests as MLflow allows (one request costs more than its rows)."""
+        now = mlflow.utils.time.get_current_time_millis()
+        rows = [mlflow.entities.Metric(k, float(v), now, step) for step, metrics in steps for k, v in metrics.items()]
+        client = self.client
+        for i in range(0, len(rows), MAX_METRICS_PER_BATCH):
+            client.log_batch(self.run_id, metrics=rows[i:i + MAX_METRICS_PER_BATCH])
 
     def log_text(self, text: str, name: str) -> None:
         self.client.log_text(self.run_id, text, name)

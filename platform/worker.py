@@ -1,4 +1,9 @@
-"""The per-worker training loop Ray Train runs: build, apply the plan, restore, train, report every step."""
+"""The per-worker training loop Ray Train runs: build, apply the plan, restore, train, report every step.
+
+Per-step metrics go to the driver through a queue as each step ends (a step that finished is never
+lost to a later failure); Ray Train hears from the loop only with a checkpoint: on a CPU pool the
+workers share cores with Ray, and a report Ray Train handles every step would slow them.
+"""
 
 import time
 from collections.abc import Callable
@@ -138,6 +143,4 @@ def train_loop(config: dict[str, Any], on_step: Callable[[int], None] | None = N
             path = save_and_report(model, optimizer, step + 1, metrics.as_dict())
             if path is not None and queue is not None:
                 queue.put(CheckpointSaved(step + 1, path))
-        else:
-            ray.train.report(metrics.as_dict())
     dist.barrier()
