@@ -6,15 +6,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from osdp_planners.comm_profile import STRATEGIES, CommProfile, cached_comm
+from osdp_planners.comm_profile import CommProfile, cached_comm
 from osdp_planners.evaluate import Context
-from osdp_planners.model_probe import ModelOverheads, calibrate, measure_on_ranks
-from osdp_planners.options import Option
+from osdp_planners.model_probe import calibrate, measure_on_ranks
 from osdp_planners.osdp import Choice, best_uniform, infeasible, search_osdp, to_plan
 from osdp_planners.plan import Plan, Strategy
 from osdp_planners.profile import ModelProfile, profile_model
 from osdp_planners.request import PlanningError, PlanRequest
-from osdp_planners.time_model import Topology, comm_seconds
+from osdp_planners.time_model import Topology
 from osdp_planners.timing import MeasuredTimes, measure_times
 from osdp_planners.units import structure_hash
 
@@ -38,6 +37,7 @@ def build_context(build: Builder, req: PlanRequest, measure_on: str | None) -> C
     the run's profile.json artifact.
     """
     dtype = torch.bfloat16 if req.precision == "bf16-mixed" else torch.float32
+    compute_bytes = 2 if req.precision == "bf16-mixed" else 4
     profile: ModelProfile = profile_model(build, req.seq_len, req.token_range, dtype)
     measured: MeasuredTimes | None = None
     comm: CommProfile | None = None
@@ -52,27 +52,12 @@ def build_context(build: Builder, req: PlanRequest, measure_on: str | None) -> C
             if req.world_size > 1:
                 comm = cached_comm(req.world_size)
                 if overheads is not None:
-                    comm = calibrated_comm(comm, overheads, profile, req, measured)
+                    probes = Topology(req.world_size, req.workers_per_node, req.device, comm)
+                    comm = calibrate(comm, overheads, profile, probes, compute_bytes, measured.optimizer_s_per_param)
         else:
             measured = measure_times(build, req.seq_len, req.token_range, torch.device(measure_on), flops)
     return Context(profile, Topology(req.world_size, req.workers_per_node, req.device, comm), measured,
-                   2 if req.precision == "bf16-mixed" else 4, req.optimizer, req.memory_limit_bytes)
-
-
-def calibrated_comm(comm: CommProfile, overheads: ModelOverheads, profile: ModelProfile, req: PlanRequest,
-                measured: MeasuredTimes) -> CommProfile:
-    """The host's probe costs scaled to what FSDP2 measurably adds to this model (see model_probe)."""
-    topo = Topology(req.world_size, req.workers_per_node, req.device, comm)
-    compute_bytes = 2 if req.precision == "bf16-mixed" else 4
-    params = sum(profile.param_bytes.values()) / 4
-    modelled, optimizer = {}, {}
-    for name in STRATEGIES:
-        strategy = Strategy(name)
-        opt = Option(strategy, 1 if strategy is Strategy.DDP else req.world_size)
-        modelled[name] = sum(comm_seconds(profile, u.name, opt, topo, compute_bytes) for u in profile.units)
-        saved = params * measured.optimizer_s_per_param * (1 - 1 / opt.group)
-        optimizer[name] = (saved, sum(profile.tensor_count.values()))
-    return calibrate(comm, overheads, modelled, optimizer)
+                   compute_bytes, req.optimizer, req.memory_limit_bytes)
 
 
 def _manual(model: nn.Module, req: PlanRequest, ctx: Context) -> Choice:

@@ -23,6 +23,10 @@ from torch import nn
 
 from osdp_planners.comm_profile import STRATEGIES, CommProfile, added_seconds, probe_meshes, shard_uniform
 from osdp_planners.local_ranks import cache_file, cached, rank_main, run_ranks, slowest
+from osdp_planners.options import Option
+from osdp_planners.plan import Strategy
+from osdp_planners.profile import ModelProfile
+from osdp_planners.time_model import Topology, comm_seconds
 from osdp_planners.timing import TIMING_BATCHES, MeasuredTimes, lm_loss, measure_totals, share_by_flops
 from osdp_planners.units import ROOT, find_units
 
@@ -72,20 +76,23 @@ def measure_on_ranks(build: Callable[[str], nn.Module], seq_len: int, vocab_size
     return share_by_flops(result["totals"], flops), overheads
 
 
-def calibrate(comm: CommProfile, overheads: ModelOverheads, modelled_step_s: dict[str, float],
-              optimizer_fixed: dict[str, tuple[float, int]]) -> CommProfile:
-    """The probes' costs rescaled to this model.
-
-    `modelled_step_s`: strategy -> what the probes predict FSDP2's units add to the whole model's
-    forward+backward (the per-step fixed cost aside). `optimizer_fixed`: strategy -> (seconds the
-    plain per-parameter update saves by sharding, DTensors in the model), so that the measured
-    optimizer difference leaves the cost per DTensor.
-    """
+def calibrate(comm: CommProfile, overheads: ModelOverheads, profile: ModelProfile, topo: Topology,
+              compute_bytes: int, optimizer_s_per_param: float) -> CommProfile:
+    """The probes' costs (`comm`, in `topo`) rescaled so that each uniform plan of this model adds
+    what was measured: FSDP2's per-unit costs by a scale per strategy, the optimizer's cost per
+    DTensor from the measured difference less what sharding saves the plain per-parameter update."""
     lo, hi = SCALE_RANGE
-    added = {s: overheads.step_added_s[s] - comm.step_fixed_s for s in STRATEGIES}
-    scale = {s: min(max(added[s] / modelled_step_s[s], lo), hi) if modelled_step_s[s] > 0 else 1.0 for s in STRATEGIES}
-    per_tensor = {s: max((overheads.optimizer_added_s[s] + saved) / tensors, 0.0)
-                  for s, (saved, tensors) in optimizer_fixed.items()}
+    params = sum(profile.param_bytes.values()) / 4
+    tensors = sum(profile.tensor_count.values())
+    scale, per_tensor = {}, {}
+    for name in STRATEGIES:
+        strategy = Strategy(name)
+        opt = Option(strategy, 1 if strategy is Strategy.DDP else topo.world_size)
+        modelled = sum(comm_seconds(profile, u.name, opt, topo, compute_bytes) for u in profile.units)
+        added = overheads.step_added_s[name] - comm.step_fixed_s
+        scale[name] = min(max(added / modelled, lo), hi) if modelled > 0 else 1.0
+        saved = params * optimizer_s_per_param * (1 - 1 / opt.group)
+        per_tensor[name] = max((overheads.optimizer_added_s[name] + saved) / tensors, 0.0)
     return dataclasses.replace(comm, scale=scale, optimizer_tensor_cost_s=per_tensor)
 
 

@@ -4,11 +4,10 @@ model, and the model probe on real gloo ranks."""
 from pathlib import Path
 
 import pytest
-from test_search import builder, context, request
+from test_search import builder, context
 
-from osdp_planners import calibrated_comm
 from osdp_planners.comm_profile import STRATEGIES, CommProfile
-from osdp_planners.model_probe import ModelOverheads, measure_on_ranks
+from osdp_planners.model_probe import ModelOverheads, calibrate, measure_on_ranks
 from osdp_planners.options import Option
 from osdp_planners.plan import Strategy
 from osdp_planners.time_model import Topology, comm_seconds, fsdp_units, optimizer_seconds
@@ -56,12 +55,11 @@ def test_hsdp_over_groups_of_one_is_charged_as_replication() -> None:
 @pytest.mark.parametrize("added_ms", [(20.0, 30.0, 45.0), (30.0, 50.0, 90.0)])
 def test_calibrated_uniform_plans_add_what_was_measured(added_ms: tuple[float, float, float]) -> None:
     ctx = context("llama")
-    req = request("llama", workers=4)
-    per_param = 1e-8
-    measured = MeasuredTimes(ctx.measured.forward if ctx.measured else {}, {}, per_param)
+    measured = MeasuredTimes({}, {}, 1e-8)
     overheads = ModelOverheads(step_added_s={s: ms / 1e3 for s, ms in zip(STRATEGIES, added_ms, strict=True)},
                                optimizer_added_s={"ddp": 6e-3, "zero2": 5e-3, "zero3": 4.5e-3})
-    comm = calibrated_comm(COMM, overheads, ctx.profile, req, measured)
+    comm = calibrate(COMM, overheads, ctx.profile, Topology(4, 4, ctx.topo.device, COMM), 4,
+                     measured.optimizer_s_per_param)
     topo = Topology(4, 4, ctx.topo.device, comm)
     plain_topo = Topology(4, 4, ctx.topo.device, None)
     for name in STRATEGIES:
@@ -77,9 +75,8 @@ def test_calibrated_uniform_plans_add_what_was_measured(added_ms: tuple[float, f
 
 def test_a_calibration_far_off_the_probes_is_taken_as_noise_and_bounded() -> None:
     ctx = context("llama")
-    measured = MeasuredTimes({}, {}, 1e-8)
     absurd = ModelOverheads({s: 100.0 for s in STRATEGIES}, {s: 0.0 for s in STRATEGIES})
-    comm = calibrated_comm(COMM, absurd, ctx.profile, request("llama", workers=4), measured)
+    comm = calibrate(COMM, absurd, ctx.profile, Topology(4, 4, ctx.topo.device, COMM), 4, 1e-8)
     for name in STRATEGIES:
         opt = uniform(Strategy(name), 4)
         raw = sum(comm_seconds(ctx.profile, u.name, opt, Topology(4, 4, ctx.topo.device, COMM), 4)
