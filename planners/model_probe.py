@@ -42,12 +42,14 @@ class ModelOverheads:
     optimizer_added_s: dict[str, float]  # to the AdamW step
 
 
-def _overheads(build: Callable[[str], nn.Module], seq_len: int, vocab_size: int, world: int) -> dict[str, Any]:
+def _overheads(plain: nn.Module, build: Callable[[str], nn.Module], seq_len: int, vocab_size: int, world: int
+               ) -> dict[str, Any]:
+    """What each uniform strategy adds to `plain` (the model as timed, unsharded)."""
     meshes = probe_meshes(world)
     x = torch.randint(0, vocab_size, (TIMING_BATCHES[-1], seq_len))
     out: dict[str, dict[str, float]] = {"step_added_s": {}, "optimizer_added_s": {}}
     for strategy in STRATEGIES:
-        plain, sharded = build("cpu"), build("cpu")
+        sharded = build("cpu")
         units = [[sharded.get_submodule(m) for m in u.modules] for u in find_units(sharded) if u.name != ROOT]
         shard_uniform(sharded, units, strategy, meshes)
         step, opt = added_seconds(plain, sharded, lambda m: lm_loss(m, x).backward())
@@ -59,8 +61,9 @@ def _measure_rank(_rank: int, world: int, args: list[str]) -> dict[str, Any]:
     with open(args[0], "rb") as f:
         build, seq_len, vocab_size = cloudpickle.load(f)
     torch.manual_seed(0)
-    totals = measure_totals(build("cpu"), seq_len, vocab_size, torch.device("cpu"), dist.barrier, slowest)
-    return {"totals": totals, "overheads": _overheads(build, seq_len, vocab_size, world) if world > 1 else None}
+    model = build("cpu")
+    totals = measure_totals(model, seq_len, vocab_size, torch.device("cpu"), dist.barrier, slowest)
+    return {"totals": totals, "overheads": _overheads(model, build, seq_len, vocab_size, world) if world > 1 else None}
 
 
 def measure_on_ranks(build: Callable[[str], nn.Module], seq_len: int, vocab_size: int, flops: dict[str, float],
