@@ -2,8 +2,11 @@
 
 Where they live: each rank writes its own DCP shard files into a local temp dir and reports it with
 `ray.train.report`; Ray Train V2 copies every rank's files into one folder,
-`runs/<name>-<runid8>/checkpoint_<next step>` (rank 0 adds DCP's `.metadata`). Ray Train's own
-restart after a worker failure hands that folder back through `ray.train.get_checkpoint()`.
+`runs/<name>-<runid8>/checkpoint_<next step>` (rank 0 adds DCP's `.metadata`). After a worker
+failure Ray Train restarts the workers, but it registers a checkpoint only when its controller next
+polls every worker (every 2 s): a worker that dies sooner after reporting loses it, and the restart
+would begin again from step 0. So rank 0 also hands each stored folder to the driver's inbox
+(progress.py), which outlives the workers, and a restart loads the inbox's newest.
 
 How resume finds them: once every rank's files are stored, the driver tags the MLflow run with the
 folder and the step to continue at (`checkpoint_path`, `checkpoint_step`); `submit --resume RUN_ID`
@@ -83,15 +86,14 @@ def save_and_report(model: nn.Module, optimizer: torch.optim.Optimizer, next_ste
     return stored.path if stored is not None else None
 
 
-def restore(model: nn.Module, optimizer: torch.optim.Optimizer, resume_from: str | None) -> int:
-    """Load the newest state: this run's own checkpoint (a restart after a failure) before `resume_from`.
-
-    Returns the step to continue at (0 when there is nothing to load).
+def restore(model: nn.Module, optimizer: torch.optim.Optimizer, own: str | None, resume_from: str | None) -> int:
+    """Load the newest state: this run's own checkpoint (`own`, from the inbox, else the one Ray Train
+    registered), else `resume_from` (an earlier run's). Returns the step to continue at (0: nothing loaded).
     """
     import ray.train
     from ray.train import Checkpoint
 
-    checkpoint = ray.train.get_checkpoint()
+    checkpoint = Checkpoint.from_directory(own) if own else ray.train.get_checkpoint()
     if checkpoint is None and resume_from:
         checkpoint = Checkpoint.from_directory(resume_from)
     if checkpoint is None:

@@ -2,35 +2,25 @@
 
 import statistics
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from queue import Empty
 from typing import Any
 
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
-from ray.util.queue import Queue
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from osdp_planners.plan import Plan
-from osdp_platform.checkpoint import (
-    CHECKPOINT_PATH_TAG,
-    CHECKPOINT_STEP_TAG,
-    CheckpointSaved,
-    check_resumable,
-    find_resume_point,
-)
+from osdp_platform.checkpoint import check_resumable, find_resume_point
 from osdp_platform.cluster import check_cluster, check_local_devices, connect
 from osdp_platform.planning import plan_on_sample_worker
+from osdp_platform.progress import MetricsInbox, MetricsPump
 from osdp_platform.recipe import Recipe
 from osdp_platform.tracking import RunTracker
 from osdp_platform.worker import train_loop
-
-FLUSH_EVERY_S = 5.0
 
 
 @dataclass
@@ -63,39 +53,6 @@ class RunSummary:
         if pred.peak_memory_bytes and peaks:
             out["peak_memory_ratio"] = out["measured_peak_memory_bytes"] / pred.peak_memory_bytes
         return out
-
-
-def _pump(queue: Queue, tracker: RunTracker, summary: RunSummary, progress: Progress, task: int,
-          done: threading.Event) -> None:
-    """Move per-step metrics from the workers to MLflow and the progress bar until training ends.
-
-    Metrics are written every FLUSH_EVERY_S, not every step: the driver shares the machine with the
-    workers it measures, and a request per step would slow them (and cost a round trip per step on a
-    remote tracking server). A checkpoint flushes first, so its tags never run ahead of its metrics.
-    """
-    pending: list[tuple[int, dict[str, float]]] = []
-    flushed = time.monotonic()
-    while not (done.is_set() and queue.empty()):
-        try:
-            item = queue.get(timeout=0.25)
-        except Empty:
-            item = None
-        if isinstance(item, CheckpointSaved):
-            tracker.log_steps(pending)
-            pending.clear()
-            tracker.client.set_tag(tracker.run_id, CHECKPOINT_PATH_TAG, item.path)
-            tracker.client.set_tag(tracker.run_id, CHECKPOINT_STEP_TAG, str(item.step))
-        elif item is not None:
-            step, metrics = item
-            summary.record(step, metrics)
-            pending.append((step, metrics))
-            progress.update(task, completed=step + 1,
-                            description=f"loss {metrics['loss']:.3f}  {metrics['tokens_per_s']:.0f} tok/s")
-        if pending and time.monotonic() - flushed > FLUSH_EVERY_S:
-            tracker.log_steps(pending)
-            pending.clear()
-            flushed = time.monotonic()
-    tracker.log_steps(pending)
 
 
 def _table(recipe: Recipe, summary: RunSummary) -> Table:
@@ -144,11 +101,11 @@ def submit(recipe: Recipe, address: str | None = None, console: Console | None =
                            ("resumed_at_step", str(point.step))):
             tracker.client.set_tag(tracker.run_id, key, value)
         console.print(f"resuming run {point.run_id} at step {point.step} from {point.path}")
-    queue = Queue(actor_options={"num_cpus": 0})
+    inbox = MetricsInbox.remote()
     trainer = TorchTrainer(
         train_fn,
         train_loop_config={"recipe": recipe.model_dump(mode="json"), "plan": plan.model_dump(mode="json"),
-                           "queue": queue, "resume_from": point.path if point else None},
+                           "inbox": inbox, "resume_from": point.path if point else None},
         scaling_config=ScalingConfig(num_workers=recipe.hardware.world_size,
                                      use_gpu=recipe.hardware.accelerator == "gpu",
                                      resources_per_worker={"CPU": 1}),
@@ -160,7 +117,13 @@ def submit(recipe: Recipe, address: str | None = None, console: Console | None =
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, refresh_per_second=2) as progress:
         task = progress.add_task("training", total=recipe.train.steps, completed=summary.first_step)
-        pump = threading.Thread(target=_pump, args=(queue, tracker, summary, progress, task, done), daemon=True)
+
+        def on_step(step: int, metrics: dict[str, float]) -> None:
+            summary.record(step, metrics)
+            progress.update(task, completed=step + 1,
+                            description=f"loss {metrics['loss']:.3f}  {metrics['tokens_per_s']:.0f} tok/s")
+
+        pump = threading.Thread(target=MetricsPump(inbox, tracker, on_step).run, args=(done,), daemon=True)
         pump.start()
         try:
             trainer.fit()

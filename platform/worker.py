@@ -1,8 +1,8 @@
-"""The per-worker training loop Ray Train runs: build, apply the plan, restore, train, report every step.
+"""The per-worker training loop Ray Train runs: build, apply the plan, restore, train, send each step's metrics.
 
-Per-step metrics go to the driver through a queue as each step ends (a step that finished is never
-lost to a later failure); Ray Train hears from the loop only with a checkpoint: on a CPU pool the
-workers share cores with Ray, and a report Ray Train handles every step would slow them.
+Rank 0 sends per-step metrics to the driver's inbox as each step ends (see progress.py); Ray Train
+hears from the loop only with a checkpoint: on a CPU pool the workers share cores with Ray, and a
+report Ray Train handles every step would slow them. A CPU worker is pinned to a core of its own.
 """
 
 import time
@@ -15,12 +15,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from osdp_planners.local_ranks import pin_to_core
 from osdp_planners.plan import Plan
 from osdp_platform.apply import apply_plan
 from osdp_platform.checkpoint import CheckpointSaved, restore, save_and_report, should_save
 from osdp_platform.data import BatchSampler, load_tokens
 from osdp_platform.memory import measure_step_peak
 from osdp_platform.models import build_model
+from osdp_platform.progress import MetricsSender
 from osdp_platform.recipe import Recipe
 
 MAX_RANKS_LOGGED = 16  # per-rank metrics beyond this would flood the tracking store
@@ -79,27 +81,32 @@ def _reduce(value: float, op: dist.ReduceOp, device: torch.device) -> float:
 
 
 def train_loop(config: dict[str, Any], on_step: Callable[[int], None] | None = None) -> None:
-    """Ray Train entry point; `config` holds the recipe, the plan, the progress queue and `resume_from`.
+    """Ray Train entry point; `config` holds the recipe, the plan, the metrics `inbox` and `resume_from`.
 
     Starts from the newest checkpoint (see checkpoint.restore) at its step: the sampler is keyed by step,
     so the data continues exactly. `on_step(step)` runs before each step (wrappers use it, e.g. tests
     injecting a fault).
     """
+    import ray
     import ray.train
 
     recipe = Recipe.model_validate(config["recipe"])
     plan = Plan.model_validate(config["plan"])
-    queue = config.get("queue")
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device() if recipe.hardware.accelerator == "gpu" else torch.device("cpu")
+    if device.type == "cpu":
+        pin_to_core(ctx.get_local_rank(), ctx.get_local_world_size())
 
     torch.manual_seed(recipe.train.seed)
     model = build_model(recipe.model, "cpu")
     apply_plan(model, plan, device.type)
     optimizer = build_optimizer(model, recipe)
-    first = restore(model, optimizer, config.get("resume_from"))
+    inbox = config.get("inbox")
+    saved = ray.get(inbox.latest_checkpoint.remote()) if inbox is not None else None
+    first = restore(model, optimizer, saved.path if saved else None, config.get("resume_from"))
     sampler = BatchSampler(load_tokens(recipe.data, recipe.train.seed), plan.seq_len, recipe.train.seed)
+    sender = MetricsSender(inbox) if rank == 0 and inbox is not None else None
     probes = memory_probe_steps(recipe.train.steps, device.type)
     tokens_per_step = plan.global_batch_size * plan.seq_len
 
@@ -137,10 +144,12 @@ def train_loop(config: dict[str, Any], on_step: Callable[[int], None] | None = N
             rank_step_time_s=times,
             rank_peak_memory_bytes=peaks if peak is not None else [],
         )
-        if rank == 0 and queue is not None:
-            queue.put((step, metrics.as_dict()))
+        if sender is not None:
+            sender.send((step, metrics.as_dict()))
         if should_save(step, recipe.train.checkpoint_every, recipe.train.steps):
             path = save_and_report(model, optimizer, step + 1, metrics.as_dict())
-            if path is not None and queue is not None:
-                queue.put(CheckpointSaved(step + 1, path))
+            if path is not None and sender is not None:
+                sender.send(CheckpointSaved(step + 1, path))
+    if sender is not None:
+        sender.close()
     dist.barrier()
