@@ -61,7 +61,7 @@ class ModelProfile:
     param_bytes: dict[str, int]  # unit -> fp32 bytes of its parameters
     linear_bytes: dict[str, list[int]]  # unit -> fp32 bytes of each Linear a split would slice
     linear_tensors: dict[str, list[int]]  # unit -> parameter tensors of each of those Linears
-    peak_loss: Linear1  # activation bytes at the peak between the last forward and the first backward
+    peak_loss: Linear1  # activation bytes at the peak from the last forward to the first module's backward
 
     @cached_property
     def by_unit(self) -> dict[str, list[ModuleProfile]]:
@@ -99,6 +99,7 @@ def _run_once(model: nn.Module, modules: dict[str, str], batch: int, seq_len: in
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x.reshape(-1))
         loss_level = recorder.live
         del logits
+        recorder.open_region("loss")  # log-softmax's backward holds its output, input and output grads
         loss.backward()
     for h in handles:
         h.remove()
@@ -106,7 +107,7 @@ def _run_once(model: nn.Module, modules: dict[str, str], batch: int, seq_len: in
     for path in modules:
         r = recorder.readings[path]
         readings[path] = {**{k: r.values[k] for k in POINTS}, "output": r.output, "fwd_flops": r.flops}
-    return order, readings, float(max(before_loss, loss_level))
+    return order, readings, float(max(before_loss, loss_level, recorder.regions["loss"]))
 
 
 KEEP_BLOCKS = 2

@@ -57,6 +57,7 @@ class Recorder:
         self.current_fw: str | None = None
         self._seen: dict[int, int] = {}
         self._open_peaks: dict[tuple[str, str], float] = {}
+        self.regions: dict[str, float] = {}  # name -> peak of a stretch outside any module (see open_region)
         # views of parameters (a Linear's weight.t()) share their storage: never count it
         self._params = {id(t.untyped_storage()) for t in (*model.parameters(), *model.buffers())}
 
@@ -91,8 +92,18 @@ class Recorder:
         r[f"peak_{phase}"] = max(self._open_peaks.pop((path, phase), self.live), self.live)
         r[f"post_{phase}"] = self.live
 
+    def open_region(self, name: str) -> None:
+        """Track the peak from now until the next module's backward starts (the loss's own backward)."""
+        self._open_peaks[(name, "region")] = self.live
+
+    def _close_regions(self) -> None:
+        for name, phase in list(self._open_peaks):
+            if phase == "region":
+                self.regions[name] = self._open_peaks.pop((name, phase))
+
     def close_all(self) -> None:
         """Backward hooks of modules whose inputs need no grad (embeddings) never fire: close at the end."""
+        self._close_regions()
         for path, phase in list(self._open_peaks):
             self._close(path, phase)
 
@@ -113,6 +124,7 @@ class Recorder:
                 self.current_fw = None
 
         def pre_bw(mod: nn.Module | None, _g: Any) -> None:
+            self._close_regions()
             if mod in self.paths:
                 self._open(self.paths[mod], "bw")
 
