@@ -3,9 +3,10 @@
 Activations come from the profile (they do not depend on sharding); on top of them the simulation
 tracks what FSDP2 holds: sharded parameters and optimizer state (always), unsharded parameters
 (from a unit's all-gather until it reshards: after its forward for ZeRO-3/HSDP, after its backward
-for DP/ZeRO-2), the all-gather buffer of the most recent gather (FSDP2 keeps it until the next one;
-backward prefetches one unit ahead), unsharded gradients and the reduce-scatter buffer (kept until
-the next reduce-scatter), and sharded gradients from a unit's backward until the optimizer step.
+for DP/ZeRO-2), the all-gather buffer of the most recent gather (FSDP2 keeps it until the next one,
+or until the root's forward ends; backward prefetches one unit ahead), unsharded gradients and the
+reduce-scatter buffer (kept until the next reduce-scatter), and sharded gradients from a unit's
+backward until the optimizer step.
 """
 
 from dataclasses import dataclass, field
@@ -85,6 +86,7 @@ def simulate(profile: ModelProfile, options: dict[str, Option], batch: int, comp
         tl.add(f"{m.path} forward", level(m.peak_fw.at(batch) - act_off))
         if m.path == last_module[m.unit] and not o.holds_params:
             gathered.pop(m.unit)
+    ag_last = 0.0  # the root's post-forward releases the last all-gather's buffer
     tl.add("loss", level(profile.peak_loss.at(batch) - saved.loss))
     backward_units = list(dict.fromkeys(m.unit for m in reversed(mods)))
     for i, m in reversed(list(enumerate(mods))):

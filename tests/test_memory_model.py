@@ -31,6 +31,9 @@ SHAPES: dict[str, Callable[[], nn.Module]] = {
                                          vocab_size=320),
     "gpt2-tied": lambda: build_zoo_model("gpt2", "tiny", dim=192, n_layers=3, n_heads=4, vocab_size=512),
     "opt-tied": lambda: build_zoo_model("opt", "tiny", dim=256, n_layers=2, n_heads=4, vocab_size=300),
+    # logits dwarf the blocks' activations: the peak is in the loss's own backward
+    "llama-wide-vocab": lambda: build_zoo_model("llama", "tiny", dim=64, n_layers=2, n_heads=2, n_kv_heads=2,
+                                                ffn_dim=172, vocab_size=4096),
 }
 
 
