@@ -47,7 +47,8 @@ def pin_to_core(index: int, peers: int) -> None:
 
     Unpinned, the scheduler moves a rank and its gloo threads between cores while its peers wait at
     the next collective: on a 2-core host the DP overhead probe varied 17-48 ms over four runs
-    unpinned, 14-19 ms in three of four pinned. Skipped where there are fewer cores than workers (or no affinity API).
+    unpinned, 14-19 ms in three of four pinned. Skipped where there are fewer cores than workers
+    (or no affinity API).
     """
     if not hasattr(os, "sched_setaffinity"):
         return
