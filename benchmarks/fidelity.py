@@ -29,8 +29,8 @@ from osdp_planners.plan import Plan
 from osdp_platform.apply import apply_plan
 from osdp_platform.models import build_model
 from osdp_platform.recipe_loader import load_recipe
+from osdp_platform.step import build_optimizer, train_step
 from osdp_platform.submit import submit
-from osdp_platform.worker import build_optimizer, lm_loss
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny.yaml"
 RESULTS = Path(__file__).resolve().parent / "results" / "fidelity.json"
@@ -46,15 +46,13 @@ def _bare_rank(_rank: int, _world: int, args: list[str]) -> dict[str, float]:
         torch.manual_seed(0)
         model = build_model(recipe.model, "cpu")
         apply_plan(model, plan, "cpu")
-        optimizer = build_optimizer(model, recipe)
+        optimizer = build_optimizer(model, recipe.train)
         x = torch.randint(0, 256, (plan.micro_batch_size, plan.seq_len))
         times = []
         for i in range(BARE_STEPS):
             dist.barrier()
             t0 = time.perf_counter()
-            lm_loss(model(x), x).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            train_step(model, optimizer, [(x, x)], 1)
             if i >= BARE_WARMUP:
                 times += slowest([time.perf_counter() - t0])
         out[name] = statistics.median(times)
@@ -72,7 +70,7 @@ def main() -> None:
     runs: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     plans: dict[str, Plan] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
         for _ in range(args.repeats):
             for name in names:
                 recipe = load_recipe(RECIPE, [f"planner.name={name}", f"train.steps={args.steps}",

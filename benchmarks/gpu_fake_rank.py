@@ -22,7 +22,7 @@ from osdp_platform.apply import apply_plan
 from osdp_platform.models import build_model
 from osdp_platform.planning import plan_recipe
 from osdp_platform.recipe_loader import load_recipe
-from osdp_platform.worker import build_optimizer, lm_loss
+from osdp_platform.step import build_optimizer, train_step
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gpu_fake_rank.json"
 
@@ -46,17 +46,14 @@ def main() -> None:
     for module in model.modules():
         if hasattr(module, "init_weights"):
             module.init_weights()
-    opt = build_optimizer(model, recipe)
+    opt = build_optimizer(model, recipe.train)
     x = torch.randint(0, 256, (plan.micro_batch_size, plan.seq_len), device="cuda")
     times, peaks = [], []
     for _ in range(args.steps):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        for _ in range(plan.grad_accum_steps):
-            lm_loss(model(x), x).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        train_step(model, opt, [(x, x)] * plan.grad_accum_steps, plan.grad_accum_steps)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         peaks.append(torch.cuda.max_memory_allocated())

@@ -7,17 +7,18 @@ import torch
 from torch import nn
 
 from osdp_planners.comm_profile import CommProfile, cached_comm
+from osdp_planners.errors import UserError
 from osdp_planners.evaluate import Context
 from osdp_planners.model_probe import calibrate, measure_on_ranks
 from osdp_planners.osdp import Choice, best_uniform, infeasible, search_osdp, to_plan
 from osdp_planners.plan import Plan, Strategy
 from osdp_planners.profile import ModelProfile, profile_model
-from osdp_planners.request import PlanningError, PlanRequest
+from osdp_planners.request import PlanRequest
 from osdp_planners.time_model import Topology
 from osdp_planners.timing import MeasuredTimes, measure_times
 from osdp_planners.units import structure_hash
 
-__all__ = ["Plan", "PlanRequest", "PlanResult", "PlanningError", "make_plan_for"]
+__all__ = ["Plan", "PlanRequest", "PlanResult", "make_plan_for"]
 
 
 @dataclass(frozen=True)
@@ -65,13 +66,13 @@ def _manual(model: nn.Module, req: PlanRequest, ctx: Context) -> Choice:
     from osdp_planners.options import Option
 
     if req.plan_file is None:
-        raise PlanningError("planner.plan_file", None, "the manual planner needs a plan file", "set planner.plan_file")
+        raise UserError("planner.plan_file", None, "the manual planner needs a plan file", "set planner.plan_file")
     plan = Plan.from_file(req.plan_file)
     if plan.structure_hash != structure_hash(model):
-        raise PlanningError("planner.plan_file", req.plan_file, "was made for another model (structure hash "
+        raise UserError("planner.plan_file", req.plan_file, "was made for another model (structure hash "
                             f"{plan.structure_hash}, this model {structure_hash(model)})", "re-plan for this model")
     if plan.world_size != req.world_size:
-        raise PlanningError("planner.plan_file", req.plan_file, f"is for {plan.world_size} workers, the pool has "
+        raise UserError("planner.plan_file", req.plan_file, f"is for {plan.world_size} workers, the pool has "
                             f"{req.world_size}", "match hardware.nodes x workers_per_node to the plan")
     options = {u.name: Option.of(u) for u in plan.units}
     return Choice(options, plan.micro_batch_size, plan.grad_accum_steps,
@@ -89,7 +90,7 @@ def make_plan_for(build: Builder, req: PlanRequest, measure_on: str | None = Non
     elif req.planner in {s.value for s in Strategy}:
         choice = best_uniform(ctx, req, Strategy(req.planner))
     else:
-        raise PlanningError("planner.name", req.planner, "is not a known planner",
+        raise UserError("planner.name", req.planner, "is not a known planner",
                             "use osdp, manual, ddp, zero2, zero3 or hsdp")
     if choice is None:
         raise infeasible(ctx, req)

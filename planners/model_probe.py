@@ -27,7 +27,7 @@ from osdp_planners.options import Option
 from osdp_planners.plan import Strategy
 from osdp_planners.profile import ModelProfile
 from osdp_planners.time_model import Topology, comm_seconds
-from osdp_planners.timing import TIMING_BATCHES, MeasuredTimes, lm_loss, measure_totals, share_by_flops
+from osdp_planners.timing import TIMING_BATCHES, MeasuredTimes, forward_loss, measure_totals, share_by_flops
 from osdp_planners.units import ROOT, find_units
 
 VERSION = 1  # of the cached measurement's format
@@ -52,7 +52,7 @@ def _overheads(plain: nn.Module, build: Callable[[str], nn.Module], seq_len: int
         sharded = build("cpu")
         units = [[sharded.get_submodule(m) for m in u.modules] for u in find_units(sharded) if u.name != ROOT]
         shard_uniform(sharded, units, strategy, meshes)
-        step, opt = added_seconds(plain, sharded, lambda m: lm_loss(m, x).backward())
+        step, opt = added_seconds(plain, sharded, lambda m: forward_loss(m, x).backward())
         out["step_added_s"][strategy], out["optimizer_added_s"][strategy] = step, opt
     return out
 

@@ -10,10 +10,11 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from osdp_planners.errors import UserError
 from osdp_planners.evaluate import Context, Evaluation, activation_local, candidates, evaluate, neighbour_buffers
 from osdp_planners.options import Option, unit_options
 from osdp_planners.plan import Baseline, Plan, Predicted, Strategy, UnitPlan
-from osdp_planners.request import PlanningError, PlanRequest
+from osdp_planners.request import PlanRequest
 from osdp_planners.search import Candidate, solve
 from osdp_planners.uniform import group_size, make_plan
 
@@ -145,7 +146,7 @@ def baselines(ctx: Context, req: PlanRequest) -> dict[str, Baseline]:
     return out
 
 
-def infeasible(ctx: Context, req: PlanRequest) -> PlanningError:
+def infeasible(ctx: Context, req: PlanRequest) -> UserError:
     low = smallest_footprint(ctx, req)
     need = low.evaluation.peak_bytes
     what = "no plan fits" if req.planner in ("osdp", "manual") else f"no {req.planner} plan fits at any batch size"
@@ -153,7 +154,7 @@ def infeasible(ctx: Context, req: PlanRequest) -> PlanningError:
     fix = f"raise the memory limit to at least {advised:.4f} GiB, add devices, or shorten data.seq_len"
     if req.planner not in ("osdp", "manual") and need <= ctx.memory_limit:
         fix = "use planner.name=osdp, which mixes strategies to fit, or raise the memory limit"
-    return PlanningError(
+    return UserError(
         "planner.memory_limit_gb", round(ctx.memory_limit / GIB, 4),
         f"{what}: the smallest footprint of any plan is {need / GIB:.4f} GiB per device (all units ZeRO-3, "
         f"Linears split 8 ways, activation checkpointing, micro batch {low.batch})", fix)

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from osdp_planners.loss import lm_loss, logits_of
 from osdp_planners.recorder import POINTS, Recorder
 from osdp_planners.units import Unit, find_units
 
@@ -94,9 +94,9 @@ def _run_once(model: nn.Module, modules: dict[str, str], batch: int, seq_len: in
     handles += [p.register_post_accumulate_grad_hook(drop_grad) for p in model.parameters()]
     x = torch.randint(0, vocab, (batch, seq_len))
     with recorder.active():
-        logits = model(x)
+        logits = logits_of(model(x))
         before_loss = recorder.live
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x.reshape(-1))
+        loss = lm_loss(logits, x)
         loss_level = recorder.live
         del logits
         recorder.open_region("loss")  # log-softmax's backward holds its output, input and output grads

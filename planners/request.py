@@ -5,17 +5,6 @@ from dataclasses import dataclass
 from osdp_planners.hardware import DevicePreset
 
 
-class PlanningError(Exception):
-    """No plan can satisfy the request; the message says why and what would."""
-
-    def __init__(self, field: str, value: object, problem: str, fix: str) -> None:
-        self.field = field
-        self.value = value
-        self.problem = problem
-        self.fix = fix
-        super().__init__(f"{field} = {value!r}: {problem}\n  fix: {fix}")
-
-
 @dataclass(frozen=True)
 class PlanRequest:
     planner: str  # ddp | zero2 | zero3 | hsdp | osdp | manual

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from osdp_planners.loss import lm_loss, logits_of
 from osdp_planners.profile import Linear1
 
 TIMING_BATCHES = (1, 4)
@@ -33,16 +33,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def lm_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    logits = model(x)
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x.reshape(-1))
+def forward_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The training loss on `x` (its own tokens as targets: timing does not care what is predicted)."""
+    return lm_loss(logits_of(model(x)), x)
 
 
 def _time_pass(model: nn.Module, x: torch.Tensor, device: torch.device) -> tuple[float, float]:
     """Seconds of one forward (with the loss) and of its backward (synchronised on CUDA)."""
     _sync(device)
     t0 = time.perf_counter()
-    loss = lm_loss(model, x)
+    loss = forward_loss(model, x)
     _sync(device)
     t1 = time.perf_counter()
     loss.backward()

@@ -32,8 +32,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from osdp_planners.errors import UserError
 from osdp_planners.plan import Plan
-from osdp_platform.errors import UserError
 from osdp_platform.recipe import Recipe
 
 CHECKPOINT_PATH_TAG = "checkpoint_path"

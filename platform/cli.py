@@ -6,8 +6,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from osdp_planners import PlanningError
-from osdp_platform.errors import UserError, UserErrors
+from osdp_planners.errors import UserError, UserErrors
 from osdp_platform.recipe_loader import load_recipe
 
 EXIT_USER_ERROR = 2
@@ -64,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(stderr=False, soft_wrap=False, width=max(Console().width, 110))
     try:
         return _run(args, console)
-    except (UserError, UserErrors, PlanningError) as exc:
+    except (UserError, UserErrors) as exc:
         Console(stderr=True).print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
         return EXIT_USER_ERROR
 

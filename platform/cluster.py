@@ -5,7 +5,7 @@ import os
 import ray
 import torch
 
-from osdp_platform.errors import UserError
+from osdp_planners.errors import UserError
 from osdp_platform.recipe import Recipe
 
 
@@ -33,7 +33,8 @@ def connect(recipe: Recipe, address: str | None) -> None:
         ray.init(address=address, log_to_driver=True)
         return
     cpus = max(os.cpu_count() or 1, recipe.hardware.world_size)
-    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True)
+    # "local": a new Ray of our own, never a cluster another `ray start` on this machine left behind
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True)
 
 
 def check_cluster(recipe: Recipe) -> None:

@@ -5,6 +5,7 @@ run on N workers sees exactly the data a single process fed the whole global bat
 resumed run continues the same sequence.
 """
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,3 +60,10 @@ class BatchSampler:
         x, y = self.global_batch(step, micro_step, micro_batch * world_size)
         rows = slice(rank * micro_batch, (rank + 1) * micro_batch)
         return x[rows], y[rows]
+
+    def micro_batches(self, step: int, grad_accum_steps: int, micro_batch: int, rank: int, world_size: int,
+                      device: torch.device | str = "cpu") -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro batches of one step, on `device` (what `train_step` consumes)."""
+        for micro in range(grad_accum_steps):
+            x, y = self.rank_batch(step, micro, micro_batch, rank, world_size)
+            yield x.to(device), y.to(device)

@@ -17,7 +17,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from osdp_planners.plan import Plan
 from osdp_platform.apply import Meshes, apply_plan
-from osdp_platform.worker import lm_loss
+from osdp_platform.step import train_step
 
 
 @dataclass(frozen=True)
@@ -45,9 +45,7 @@ def measure_fake_rank(build: Callable[[], nn.Module], plan: Plan, vocab_size: in
                 tracker = MemTracker()  # same totals as FSDPMemTracker, which rejects tied-module units
                 tracker.track_external(model, opt)
                 with tracker:
-                    lm_loss(model(x), x).backward()
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
+                    train_step(model, opt, [(x, x)], 1)
                 snap = next(iter(tracker.get_tracker_snapshot("peak").values()))
                 result = FakeRankMemory(int(snap["Total"]), {k: int(v) for k, v in snap.items() if k != "Total"})
             return result

@@ -5,8 +5,8 @@ import importlib
 import torch
 from torch import nn
 
+from osdp_planners.errors import UserError
 from osdp_platform.data import VOCAB_SIZE
-from osdp_platform.errors import UserError
 from osdp_platform.recipe import ModelSection
 from osdp_platform.zoo import build_zoo_model
 

@@ -9,9 +9,9 @@ import ray
 import torch
 from ray.exceptions import RayTaskError
 
-from osdp_planners import Plan, PlanningError, PlanRequest, PlanResult, make_plan_for
+from osdp_planners import Plan, PlanRequest, PlanResult, make_plan_for
+from osdp_planners.errors import UserError
 from osdp_planners.hardware import get_preset
-from osdp_platform.errors import UserError
 from osdp_platform.models import build_model
 from osdp_platform.recipe import Recipe
 
@@ -93,7 +93,7 @@ def plan_on_sample_worker(recipe: Recipe) -> tuple[Plan, str]:
     try:
         plan_json, profile = ray.get(actor.plan.remote(recipe.model_dump(mode="json")), timeout=PLANNER_TIMEOUT_S)
     except RayTaskError as exc:
-        if isinstance(exc.cause, UserError | PlanningError):
+        if isinstance(exc.cause, UserError):
             raise exc.cause from None
         raise
     finally:

@@ -67,11 +67,11 @@ class MetricsSender:
 
 @dataclass
 class MetricsPump:
-    """The driver's side: moves messages to MLflow (batched) and to `on_step` until `done` is set."""
+    """The driver's side: moves messages to MLflow (batched) and to `on_metrics` until `done` is set."""
 
     inbox: Any
     tracker: RunTracker
-    on_step: Callable[[int, dict[str, float]], None]
+    on_metrics: Callable[[int, dict[str, float]], None]  # each step's metrics as they arrive
 
     def run(self, done: threading.Event) -> None:
         pending: list[tuple[int, dict[str, float]]] = []
@@ -85,7 +85,7 @@ class MetricsPump:
                     self.tracker.client.set_tag(self.tracker.run_id, CHECKPOINT_PATH_TAG, message.path)
                     self.tracker.client.set_tag(self.tracker.run_id, CHECKPOINT_STEP_TAG, str(message.step))
                 else:
-                    self.on_step(*message)
+                    self.on_metrics(*message)
                     pending.append(message)
             if finished:
                 break

@@ -7,7 +7,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ValidationError
 
-from osdp_platform.errors import UserError, UserErrors
+from osdp_planners.errors import UserError, UserErrors
 from osdp_platform.recipe import Recipe
 
 MAX_EXTENDS_DEPTH = 8

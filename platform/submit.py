@@ -20,7 +20,7 @@ from osdp_platform.planning import plan_on_sample_worker
 from osdp_platform.progress import MetricsInbox, MetricsPump
 from osdp_platform.recipe import Recipe
 from osdp_platform.tracking import RunTracker
-from osdp_platform.worker import train_loop
+from osdp_platform.worker import WorkerConfig, train_loop
 
 
 @dataclass
@@ -104,8 +104,8 @@ def submit(recipe: Recipe, address: str | None = None, console: Console | None =
     inbox = MetricsInbox.remote()
     trainer = TorchTrainer(
         train_fn,
-        train_loop_config={"recipe": recipe.model_dump(mode="json"), "plan": plan.model_dump(mode="json"),
-                           "inbox": inbox, "resume_from": point.path if point else None},
+        train_loop_config=dict(WorkerConfig(recipe=recipe, plan=plan, inbox=inbox,
+                                            resume_from=point.path if point else None)),
         scaling_config=ScalingConfig(num_workers=recipe.hardware.world_size,
                                      use_gpu=recipe.hardware.accelerator == "gpu",
                                      resources_per_worker={"CPU": 1}),
@@ -118,12 +118,12 @@ def submit(recipe: Recipe, address: str | None = None, console: Console | None =
     with Progress(*columns, console=console, refresh_per_second=2) as progress:
         task = progress.add_task("training", total=recipe.train.steps, completed=summary.first_step)
 
-        def on_step(step: int, metrics: dict[str, float]) -> None:
+        def on_metrics(step: int, metrics: dict[str, float]) -> None:
             summary.record(step, metrics)
             progress.update(task, completed=step + 1,
                             description=f"loss {metrics['loss']:.3f}  {metrics['tokens_per_s']:.0f} tok/s")
 
-        pump = threading.Thread(target=MetricsPump(inbox, tracker, on_step).run, args=(done,), daemon=True)
+        pump = threading.Thread(target=MetricsPump(inbox, tracker, on_metrics).run, args=(done,), daemon=True)
         pump.start()
         try:
             trainer.fit()

@@ -6,14 +6,13 @@ report Ray Train handles every step would slow them. A CPU worker is pinned to a
 """
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
+from pydantic import BaseModel, ConfigDict
 
 from osdp_planners.local_ranks import pin_to_core
 from osdp_planners.plan import Plan
@@ -24,6 +23,7 @@ from osdp_platform.memory import measure_step_peak
 from osdp_platform.models import build_model
 from osdp_platform.progress import MetricsSender
 from osdp_platform.recipe import Recipe
+from osdp_platform.step import Batch, build_optimizer, train_step
 
 MAX_RANKS_LOGGED = 16  # per-rank metrics beyond this would flood the tracking store
 
@@ -55,15 +55,15 @@ def memory_probe_steps(steps: int, device_type: str) -> set[int]:
     return {min(1, steps - 1), steps - 1}
 
 
-def build_optimizer(model: nn.Module, recipe: Recipe) -> torch.optim.Optimizer:
-    t = recipe.train
-    if t.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-    return torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+class WorkerConfig(BaseModel):
+    """What the driver hands every worker through Ray Train."""
 
+    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    recipe: Recipe
+    plan: Plan
+    inbox: Any = None  # the driver's MetricsInbox actor handle (progress.py); None: metrics are not sent
+    resume_from: str | None = None  # an earlier run's checkpoint folder (submit --resume)
 
 
 def _per_rank(elapsed: float, peak: int | None, world: int, device: torch.device) -> tuple[list[float], list[float]]:
@@ -80,18 +80,18 @@ def _reduce(value: float, op: dist.ReduceOp, device: torch.device) -> float:
     return float(t.item())
 
 
-def train_loop(config: dict[str, Any], on_step: Callable[[int], None] | None = None) -> None:
-    """Ray Train entry point; `config` holds the recipe, the plan, the metrics `inbox` and `resume_from`.
+def train_loop(config: dict[str, Any], before_step: Callable[[int], None] | None = None) -> None:
+    """Ray Train entry point; `config` is a WorkerConfig's fields.
 
     Starts from the newest checkpoint (see checkpoint.restore) at its step: the sampler is keyed by step,
-    so the data continues exactly. `on_step(step)` runs before each step (wrappers use it, e.g. tests
+    so the data continues exactly. `before_step(step)` runs before each step (wrappers use it, e.g. tests
     injecting a fault).
     """
     import ray
     import ray.train
 
-    recipe = Recipe.model_validate(config["recipe"])
-    plan = Plan.model_validate(config["plan"])
+    cfg = WorkerConfig.model_validate(config)
+    recipe, plan = cfg.recipe, cfg.plan
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device() if recipe.hardware.accelerator == "gpu" else torch.device("cpu")
@@ -101,30 +101,23 @@ def train_loop(config: dict[str, Any], on_step: Callable[[int], None] | None = N
     torch.manual_seed(recipe.train.seed)
     model = build_model(recipe.model, "cpu")
     apply_plan(model, plan, device.type)
-    optimizer = build_optimizer(model, recipe)
-    inbox = config.get("inbox")
-    saved = ray.get(inbox.latest_checkpoint.remote()) if inbox is not None else None
-    first = restore(model, optimizer, saved.path if saved else None, config.get("resume_from"))
+    optimizer = build_optimizer(model, recipe.train)
+    saved = ray.get(cfg.inbox.latest_checkpoint.remote()) if cfg.inbox is not None else None
+    first = restore(model, optimizer, saved.path if saved else None, cfg.resume_from)
     sampler = BatchSampler(load_tokens(recipe.data, recipe.train.seed), plan.seq_len, recipe.train.seed)
-    sender = MetricsSender(inbox) if rank == 0 and inbox is not None else None
+    sender = MetricsSender(cfg.inbox) if rank == 0 and cfg.inbox is not None else None
     probes = memory_probe_steps(recipe.train.steps, device.type)
     tokens_per_step = plan.global_batch_size * plan.seq_len
 
     for step in range(first, recipe.train.steps):
-        if on_step is not None:
-            on_step(step)
-        losses: list[float] = []
+        if before_step is not None:
+            before_step(step)
+        batches = sampler.micro_batches(step, plan.grad_accum_steps, plan.micro_batch_size, rank, world, device)
+        loss = 0.0
 
-        def one_step(step: int = step, losses: list[float] = losses) -> None:
-            # gradients are reduce-scattered after every micro batch (FSDP2's default): accumulating
-            # them unsharded instead would hold a full gradient copy per unit, which the plan forbids
-            for micro in range(plan.grad_accum_steps):
-                x, y = sampler.rank_batch(step, micro, plan.micro_batch_size, rank, world)
-                loss = lm_loss(model(x.to(device)), y.to(device)) / plan.grad_accum_steps
-                loss.backward()
-                losses.append(float(loss.detach()))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        def one_step(batches: Iterable[Batch] = batches) -> None:
+            nonlocal loss
+            loss = float(train_step(model, optimizer, batches, plan.grad_accum_steps))
 
         dist.barrier()
         start = time.perf_counter()
@@ -137,7 +130,7 @@ def train_loop(config: dict[str, Any], on_step: Callable[[int], None] | None = N
         elapsed = max(times)
         metrics = StepMetrics(
             step=step,
-            loss=_reduce(sum(losses), dist.ReduceOp.SUM, device) / world,
+            loss=_reduce(loss, dist.ReduceOp.SUM, device) / world,
             step_time_s=elapsed,
             tokens_per_s=tokens_per_step / elapsed,
             peak_memory_bytes=int(max(peaks)) if peak is not None else None,

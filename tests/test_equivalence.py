@@ -34,7 +34,7 @@ from osdp_platform.data import BatchSampler, load_tokens
 from osdp_platform.models import build_model
 from osdp_platform.planning import plan_request
 from osdp_platform.recipe import ModelSection, Recipe
-from osdp_platform.worker import build_optimizer, lm_loss
+from osdp_platform.step import build_optimizer, train_step
 
 STEPS = 5
 MICRO_BATCH = 2
@@ -114,15 +114,10 @@ def _train_cases(config: dict[str, Any]) -> None:
         torch.manual_seed(seed)
         model = build_model(ModelSection.model_validate(model_json))
         apply_plan(model, Plan.model_validate(plan_json), "cpu")
-        optimizer = build_optimizer(model, recipes[optimizer_name])
+        optimizer = build_optimizer(model, recipes[optimizer_name].train)
         losses = []
         for step in range(STEPS):
-            x, y = sampler.rank_batch(step, 0, MICRO_BATCH, rank, world)
-            loss = lm_loss(model(x), y)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            mean = loss.detach().clone()
+            mean = train_step(model, optimizer, sampler.micro_batches(step, 1, MICRO_BATCH, rank, world), 1)
             dist.all_reduce(mean)
             losses.append(mean.item() / world)
         results[name] = {"losses": losses, "params": get_model_state_dict(model, options=full_options),

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from helpers import CLI, RECIPES
-from osdp_platform.errors import UserError, UserErrors
+from osdp_planners.errors import UserError, UserErrors
 from osdp_platform.recipe_loader import flatten, load_recipe
 
 
@@ -111,3 +111,16 @@ def test_validate_prints_resolved_recipe(tmp_path: Path) -> None:
     result = run_cli("validate", str(RECIPES / "tiny.yaml"), "train.steps=3", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "steps: 3" in result.stdout
+
+
+def test_user_errors_survive_pickling_with_their_fields() -> None:
+    """Errors cross Ray (planner actor, workers) by pickle: the type, fields and message must come back."""
+    import pickle
+
+    one = UserError("planner.memory_limit_gb", 0.5, "no plan fits", "raise it")
+    back = pickle.loads(pickle.dumps(one))
+    assert type(back) is UserError and str(back) == str(one)
+    assert (back.field, back.value, back.problem, back.fix) == ("planner.memory_limit_gb", 0.5, "no plan fits",
+                                                                "raise it")
+    many = pickle.loads(pickle.dumps(UserErrors("r.yaml", [one, one])))
+    assert str(many) == str(UserErrors("r.yaml", [one, one])) and len(many.errors) == 2

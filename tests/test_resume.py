@@ -35,7 +35,7 @@ class KillOnce:
     at: int
 
     def __call__(self, config: dict[str, Any]) -> None:
-        train_loop(config, on_step=self._maybe_die)
+        train_loop(config, before_step=self._maybe_die)
 
     def _maybe_die(self, step: int) -> None:
         import ray.train

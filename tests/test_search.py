@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from osdp_planners import PlanningError, PlanRequest, build_context, make_plan_for
+from osdp_planners import PlanRequest, build_context, make_plan_for
+from osdp_planners.errors import UserError
 from osdp_planners.evaluate import Context, activation_local, candidates, neighbour_buffers
 from osdp_planners.hardware import GIB, get_preset
 from osdp_planners.memory_model import simulate
@@ -322,7 +323,7 @@ def test_infeasible_limit_names_the_smallest_footprint_and_the_threshold_holds(
     ctx = context(family, vocab_size=vocab, dim=dim)
     need = simulate(ctx.profile, smallest_options(ctx, 4), 1, ctx.compute_bytes, ctx.optimizer).peak
     build = builder(family, 2, vocab, dim)
-    with pytest.raises(PlanningError) as err:
+    with pytest.raises(UserError) as err:
         make_plan_for(build, request(family, limit=math.floor(need) - 1))
     assert err.value.field == "planner.memory_limit_gb"
     named, rounding = gib_after(err.value.problem, "smallest footprint")

@@ -14,13 +14,14 @@ from ray.util.queue import Queue
 from helpers import RECIPES
 from osdp_planners.plan import Plan
 from osdp_platform.apply import apply_plan
+from osdp_platform.cli import EXIT_USER_ERROR, main
 from osdp_platform.data import BatchSampler, load_tokens
 from osdp_platform.models import build_model
 from osdp_platform.planning import plan_recipe
 from osdp_platform.recipe import Recipe
 from osdp_platform.recipe_loader import load_recipe
+from osdp_platform.step import build_optimizer, train_step
 from osdp_platform.submit import submit
-from osdp_platform.worker import build_optimizer, lm_loss
 
 PLANNERS = ("ddp", "zero2", "zero3", "hsdp")
 STEPS = 2
@@ -39,15 +40,10 @@ def _losses_per_planner(config: dict[str, Any]) -> None:
         torch.manual_seed(recipe.train.seed)
         model = build_model(recipe.model)
         apply_plan(model, plan, "cpu")
-        opt = build_optimizer(model, recipe)
+        opt = build_optimizer(model, recipe.train)
         losses = []
         for step in range(STEPS):
-            x, y = sampler.rank_batch(step, 0, plan.micro_batch_size, rank, world)
-            loss = lm_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            mean = loss.detach().clone()
+            mean = train_step(model, opt, sampler.micro_batches(step, 1, plan.micro_batch_size, rank, world), 1)
             torch.distributed.all_reduce(mean)
             losses.append(float(mean) / world)
         out[name] = losses
@@ -59,16 +55,11 @@ def _reference_losses(recipe: Recipe, micro_batch: int, world: int) -> list[floa
     """One process fed the whole global batch: what every sharded run must reproduce."""
     torch.manual_seed(recipe.train.seed)
     model = build_model(recipe.model)
-    opt = build_optimizer(model, recipe)
+    opt = build_optimizer(model, recipe.train)
     sampler = BatchSampler(load_tokens(recipe.data, 0), recipe.data.seq_len, 0)
     losses = []
     for step in range(STEPS):
-        x, y = sampler.global_batch(step, 0, micro_batch * world)
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(train_step(model, opt, [sampler.global_batch(step, 0, micro_batch * world)], 1)))
     return losses
 
 
@@ -125,3 +116,14 @@ def test_submit_tracks_run_in_mlflow(ray_cluster: None, workdir: Path) -> None:
         assert step_max.value == max(r0.value, r1.value)
     loss = [m.value for m in client.get_metric_history(summary.run_id, "loss")]
     assert loss[-1] < loss[0]
+
+
+def test_a_plan_that_does_not_fit_reaches_the_user_from_the_planner_actor(
+        ray_cluster: None, workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """DDP does not fit the default recipe's budget: the actor's error arrives whole, exit code 2, no run."""
+    code = main(["submit", str(RECIPES / "tiny.yaml"), "planner.name=ddp", f"tracking.uri=sqlite:///{workdir}/m.db"])
+    err = capsys.readouterr().err
+    assert code == EXIT_USER_ERROR, err
+    assert "planner.memory_limit_gb" in err and "no ddp plan fits" in err and "fix:" in err
+    assert "Traceback" not in err and "UnserializableException" not in err
+    assert not (workdir / "m.db").exists()
