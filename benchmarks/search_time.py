@@ -31,9 +31,8 @@ from rich.table import Table
 
 import osdp_planners.osdp as osdp
 from osdp_planners import build_context
-from osdp_planners.evaluate import Context, activation_local, candidates, neighbour_buffers
+from osdp_planners.evaluate import Context
 from osdp_planners.hardware import GIB, PRESETS, get_preset
-from osdp_planners.options import unit_options
 from osdp_planners.plan import Strategy
 from osdp_planners.request import PlanRequest
 from osdp_planners.search import bound, quantum_for
@@ -41,7 +40,7 @@ from osdp_platform.zoo import build_zoo_model
 
 RESULTS = Path(__file__).resolve().parent / "results" / "search_time.json"
 TARGET_S = 1.0
-PHASES = ("candidates", "solve", "evaluate")  # names search_osdp calls, timed by wrapping them
+PHASES = ("search_candidates", "solve", "evaluate")  # names search_osdp calls, timed by wrapping them
 
 
 def parse() -> argparse.Namespace:
@@ -98,9 +97,7 @@ def phase_timers() -> Iterator[dict[str, float]]:
 
 def space(ctx: Context, req: PlanRequest) -> dict[str, Any]:
     """Size of what the search looks at: units, options per unit, batch candidates."""
-    per_unit = [len(unit_options(req.world_size, req.workers_per_node, req.nodes,
-                                 bool(ctx.profile.linear_bytes[u.name]),
-                                 any(m.unit == u.name for m in ctx.profile.modules))) for u in ctx.profile.units]
+    per_unit = [len(opts) for opts in osdp.unit_option_lists(ctx, req).values()]
     batches = osdp.batch_candidates(req)
     return {"units": len(per_unit), "options_per_unit_max": max(per_unit), "options_total": sum(per_unit),
             "micro_batches": [b for b, _ in batches], "candidates_scored": sum(per_unit) * len(batches),
@@ -109,10 +106,9 @@ def space(ctx: Context, req: PlanRequest) -> dict[str, Any]:
 
 def search_bound(ctx: Context, choice: osdp.Choice) -> float:
     """The search's memory bound for the chosen options (what solve kept under the limit)."""
-    local = activation_local(ctx, choice.batch)
-    neighbours = neighbour_buffers(ctx)
-    cands = [candidates(ctx, u, [o], choice.batch, choice.accum, local[u] + neighbours[u])
-             for u, o in choice.options.items()]
+    units = list(choice.options)
+    cands = osdp.search_candidates(ctx, units, {u: [o] for u, o in choice.options.items()}, choice.batch,
+                                   choice.accum)
     return bound(cands, [0] * len(cands), quantum_for(ctx.memory_limit))
 
 

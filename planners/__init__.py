@@ -58,7 +58,7 @@ def build_context(build: Builder, req: PlanRequest, measure_on: str | None) -> C
         else:
             measured = measure_times(build, req.seq_len, req.token_range, torch.device(measure_on), flops)
     return Context(profile, Topology(req.world_size, req.workers_per_node, req.device, comm), measured,
-                   compute_bytes, req.optimizer, req.memory_limit_bytes)
+                   compute_bytes, req.optimizer, req.usable_memory_bytes)
 
 
 def _manual(model: nn.Module, req: PlanRequest, ctx: Context) -> Choice:

@@ -2,14 +2,32 @@
 
 `Context` holds what does not change during a search (profile, measured times, topology, dtypes);
 `evaluate` gives the numbers a plan is judged and reported by (memory from the event simulation);
-`candidates` gives the search its decomposable view of the same quantities (see search.py).
+`Bound` gives the knapsack search its decomposable view of the same memory (see search.py):
+at any event, every unit holds at most its `resident` bytes (the most it holds at other units'
+events), so the peak is at most the sum of residents plus, over the events of one unit, what
+that unit holds beyond its resident, the option-independent base, and the most its neighbours'
+buffers can add there.
 """
 
 from dataclasses import dataclass
+from functools import cached_property
 
-from osdp_planners.memory_model import ADAM_STATES, Timeline, simulate, unit_bytes
+import numpy as np
+
+from osdp_planners.memory_model import (
+    ADAM_STATES,
+    Footprint,
+    Layout,
+    Settings,
+    Timeline,
+    base_levels,
+    footprint,
+    layout_of,
+    root_bytes,
+    simulate,
+    slot_range,
+)
 from osdp_planners.options import Option
-from osdp_planners.plan import Strategy
 from osdp_planners.profile import ModelProfile
 from osdp_planners.search import Candidate
 from osdp_planners.time_model import Topology, optimizer_seconds, unit_time
@@ -33,6 +51,13 @@ class Context:
     def opt_states(self) -> int:
         return ADAM_STATES if self.optimizer == "adamw" else 0
 
+    @cached_property
+    def layout(self) -> Layout:
+        return layout_of(self.profile)
+
+    def settings(self, batch: int, accum: int) -> Settings:
+        return Settings(batch, accum, self.compute_bytes, self.opt_states, self.overlap)
+
 
 @dataclass(frozen=True)
 class Evaluation:
@@ -44,56 +69,98 @@ class Evaluation:
     timeline: Timeline
 
 
-def _retained(ctx: Context, unit: str, batch: int, checkpoint: bool) -> float:
-    mods = ctx.profile.by_unit[unit]
-    if checkpoint:
-        return sum(m.output.at(batch) for m in mods)
-    return sum(m.post_fw.at(batch) - m.pre_fw.at(batch) for m in mods)
+def _slot_values(fp: Footprint, slots: int) -> np.ndarray:
+    """A footprint's bytes per slot (see memory_model.Footprint)."""
+    diff = np.zeros(slots + 1)
+    for a, z, value in fp.segments:
+        diff[a] += value
+        diff[z + 1] -= value
+    return np.cumsum(diff[:-1])
 
 
-def resident(ctx: Context, unit: str, opt: Option, batch: int) -> float:
-    """What one unit keeps for the whole step in the search's bound."""
-    b = unit_bytes(ctx.profile, unit, opt, ctx.compute_bytes, ctx.opt_states)
-    held = b.gathered if opt.holds_params else 0.0
-    return b.sharded + b.opt_state + max(_retained(ctx, unit, batch, opt.checkpoint) + held, b.grad_shard)
+class Bound:
+    """The search's per-unit memory view at one batch size (see the module docstring)."""
+
+    def __init__(self, ctx: Context, batch: int, accum: int) -> None:
+        self.ctx = ctx
+        self.settings = ctx.settings(batch, accum)
+        layout = ctx.layout
+        self.base = base_levels(ctx.profile, layout, self.settings)
+        self._footprints: dict[tuple[object, ...], Footprint] = {}
+        self._matrices: dict[tuple[object, ...], tuple[np.ndarray, np.ndarray]] = {}
+        self.neighbours = np.zeros(len(layout.events) + 1)
+
+    def footprint(self, unit: str, opt: Option) -> Footprint:
+        """Identical units share footprints: they depend on the unit's shape and profile, not its place."""
+        key = (self.signature(unit), opt)
+        if key not in self._footprints:
+            self._footprints[key] = footprint(self.ctx.profile, self.ctx.layout, unit, opt, self.settings)
+        return self._footprints[key]
+
+    @cached_property
+    def _signatures(self) -> dict[str, tuple[object, ...]]:
+        p = self.ctx.profile
+        out = {}
+        for u, mods in p.by_unit.items():
+            lins = tuple((lin.param_bytes, lin.out_features, next(i for i, m in enumerate(mods)
+                                                                  if lin.path.startswith(f"{m.path}.")))
+                         for lin in p.linears.get(u, []))
+            out[u] = (p.param_bytes[u], lins, tuple(tuple(sorted(m.variants.items(), key=lambda kv: (
+                kv[0].split, kv[0].checkpoint))) for m in mods))
+        return out
+
+    def signature(self, unit: str) -> tuple[object, ...]:
+        return self._signatures[unit]
+
+    def add_neighbour_buffers(self, options: dict[str, list[Option]]) -> None:
+        """The most each unit's buffers can add at other units' events, over the options it may take."""
+        layout = self.ctx.layout
+        for unit, opts in options.items():
+            if unit not in layout.units:
+                continue
+            fps = [self.footprint(unit, o) for o in opts]
+            for (a, z), value in ((layout.fw_buffer[unit], max(f.fw_buffer for f in fps)),
+                                  (layout.prefetch[unit], max(f.prefetch for f in fps)),
+                                  (layout.reduce_buffer[unit], max(f.reduce_buffer for f in fps)),
+                                  ((layout.optimizer, layout.optimizer), max(f.optimizer_temp for f in fps))):
+                if value and a <= z:
+                    self.neighbours[a] += value
+                    self.neighbours[z + 1] -= value
+
+    @cached_property
+    def context_levels(self) -> np.ndarray:
+        """Base plus neighbours' worst buffers at every event (call add_neighbour_buffers first)."""
+        return self.base + np.cumsum(self.neighbours[:-1])
+
+    def _slot_matrix(self, unit: str, options: tuple[Option, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """Per option, its bytes in every slot, and its resident (the most at other units' events)."""
+        key = (self.signature(unit), options)
+        if key not in self._matrices:
+            slots = 2 * len(self.ctx.layout.units[unit].anchors) + 1
+            values = np.stack([_slot_values(self.footprint(unit, o), slots) for o in options])
+            gaps = [s for s in range(0, slots, 2) if _nonempty(self.ctx.layout, unit, s)]
+            resident = values[:, gaps].max(axis=1) if gaps else np.zeros(len(options))
+            self._matrices[key] = (values, np.maximum(resident, 0.0))
+        return self._matrices[key]
+
+    def candidates(self, unit: str, options: list[Option], times: list[float]) -> list[Candidate]:
+        """The knapsack's view of `unit`'s options (call add_neighbour_buffers first)."""
+        if unit not in self.ctx.layout.units:  # the root: what it holds, it holds all step
+            return [Candidate(root_bytes(self.ctx.profile, unit, o, self.settings), 0.0, t)
+                    for o, t in zip(options, times, strict=True)]
+        values, resident = self._slot_matrix(unit, tuple(options))
+        own = (values[:, 1::2] + self.context_levels[self.ctx.layout.units[unit].anchors][None, :]).max(axis=1)
+        return [Candidate(float(r), float(o - r), t) for r, o, t in zip(resident, own, times, strict=True)]
+
+    def global_transient(self) -> float:
+        """What the loss and the optimizer step add beyond every unit's resident bytes."""
+        layout = self.ctx.layout
+        return float(max(self.context_levels[layout.loss], self.context_levels[layout.optimizer]))
 
 
-def neighbour_buffers(ctx: Context) -> dict[str, float]:
-    """Per unit, the most its backward neighbours can leave alive at its events: the next unit's
-    prefetched gather and the previous unit's pending reduce-scatter buffer (taken unsplit)."""
-    order = list(dict.fromkeys(m.unit for m in reversed(ctx.profile.modules)))
-    worst = {u: unit_bytes(ctx.profile, u, Option(Strategy.ZERO3, 1), ctx.compute_bytes, ctx.opt_states)
-             for u in order}
-    out = {}
-    for i, u in enumerate(order):
-        nxt = worst[order[i + 1]].gather_step if i + 1 < len(order) else 0.0
-        prev = worst[order[i - 1]].reduce_buffer if i > 0 else 0.0
-        out[u] = nxt + prev
-    return out
-
-
-def transient(ctx: Context, unit: str, opt: Option, local: float) -> float:
-    """Bytes beyond the residents while this unit runs: activation peak, own and neighbours' buffers."""
-    b = unit_bytes(ctx.profile, unit, opt, ctx.compute_bytes, ctx.opt_states)
-    return local + b.gather_step + b.grad_full + b.reduce_buffer
-
-
-def activation_local(ctx: Context, batch: int) -> dict[str, float]:
-    """Per unit, the most activation bytes at its own events beyond what the units before it retain.
-
-    A unit's own gradients, which the profiled backward peak includes, are left to its transient.
-    The loss computation belongs to the last unit of the forward.
-    """
-    before = 0.0
-    local: dict[str, float] = {}
-    for m in ctx.profile.modules:
-        grads = ctx.profile.param_bytes[m.unit] * ctx.compute_bytes / 4
-        here = max(m.peak_fw.at(batch), m.peak_bw.at(batch) - grads, m.pre_fw.at(batch)) - before
-        local[m.unit] = max(local.get(m.unit, 0.0), here)
-        before += m.post_fw.at(batch) - m.pre_fw.at(batch)
-    last = ctx.profile.modules[-1].unit
-    local[last] = max(local[last], ctx.profile.peak_loss.at(batch) - before)
-    return local
+def _nonempty(layout: Layout, unit: str, slot: int) -> bool:
+    a, z = slot_range(layout, unit, slot, slot)
+    return a <= z
 
 
 def unit_seconds(ctx: Context, unit: str, opt: Option, batch: int, accum: int) -> float:
@@ -101,19 +168,11 @@ def unit_seconds(ctx: Context, unit: str, opt: Option, batch: int, accum: int) -
     return accum * t.total_s + optimizer_seconds(ctx.profile, {unit: opt}, ctx.topo, ctx.measured)
 
 
-def candidates(ctx: Context, unit: str, options: list[Option], batch: int, accum: int, local: float
-               ) -> list[Candidate]:
-    out = []
-    for o in options:
-        out.append(Candidate(resident(ctx, unit, o, batch), transient(ctx, unit, o, local),
-                             unit_seconds(ctx, unit, o, batch, accum)))
-    return out
-
-
 def evaluate(ctx: Context, options: dict[str, Option], batch: int, accum: int) -> Evaluation:
-    timeline = simulate(ctx.profile, options, batch, ctx.compute_bytes, ctx.optimizer)
+    timeline = simulate(ctx.profile, options, batch, ctx.compute_bytes, ctx.optimizer, accum, ctx.overlap)
     times = {u: unit_seconds(ctx, u, o, batch, accum) for u, o in options.items()}
     step = sum(times.values()) + accum * ctx.topo.step_fixed_s
     samples = batch * accum * ctx.topo.world_size
-    return Evaluation(timeline.peak, step, samples / step, times,
-                      {u: resident(ctx, u, o, batch) for u, o in options.items()}, timeline)
+    bound = Bound(ctx, batch, accum)
+    resident = {u: bound.candidates(u, [o], [0.0])[0].resident for u, o in options.items()}
+    return Evaluation(timeline.peak, step, samples / step, times, resident, timeline)

@@ -1,46 +1,274 @@
-"""Per-rank memory over one training step under FSDP2, simulated event by event.
+"""Per-rank memory over one training step under FSDP2, as a sum of per-unit contributions.
 
-Activations come from the profile (they do not depend on sharding); on top of them the simulation
-tracks what FSDP2 holds: sharded parameters and optimizer state (always), unsharded parameters
-(from a unit's all-gather until it reshards: after its forward for ZeRO-3/HSDP, after its backward
-for DP/ZeRO-2), the all-gather buffer of the most recent gather (FSDP2 keeps it until the next one,
-or until the root's forward ends; backward prefetches one unit ahead), unsharded gradients and the
-reduce-scatter buffer (kept until the next reduce-scatter), and sharded gradients from a unit's
-backward until the optimizer step.
+The step is a fixed sequence of events (each unit's all-gather and its modules' forwards, the
+loss, each unit's backward gather, its modules' backwards and its reduce-scatter, the optimizer
+step). At every event the bytes one rank holds are an option-independent base (activations no
+unit owns: the input, the gradient flowing back, the loss region) plus, for every unit, what the
+unit holds there under its option. A unit's contribution is a few constant segments of the event
+sequence, so the level at any event is linear in the one-hot choice of options: the search can
+bound it per unit (evaluate.py) and solve it exactly (milp.py), and `simulate` adds it up.
+
+What a unit holds, as FSDP2 (torch 2.13) does it:
+- always: its sharded fp32 parameters and optimizer states (DP: the whole unit, a "sharded" copy
+  of group size one), and from its reduce-scatter until the optimizer step its sharded gradients
+  (for the whole step when gradients accumulate over micro batches);
+- activations from the profile under its variant (split, checkpointed): what its modules keep from
+  their forward until their backward, and their peaks during forward and backward (the unsharded
+  gradients FSDP2 holds until the reduce-scatter included, see recorder.py);
+- unsharded parameters (compute dtype): ZeRO-3/HSDP from the all-gather until the unit's forward
+  ends and again from its backward gather until its reduce-scatter; DP/ZeRO-2 from the forward
+  all-gather until the reduce-scatter; a split Linear's slices are units of their own, gathered one
+  at a time under ZeRO-3/HSDP;
+- the all-gather output (only where the shard group is larger than one rank): kept in forward
+  until the next unit's all-gather, freed at once in backward, and in backward issued by the unit
+  before it (prefetch) and pending during that unit's backward;
+- the reduce-scatter input (fp32, the reduce dtype), kept until the next unit's reduce-scatter;
+- on GPUs the optimizer's foreach temporaries (about one copy of the parameters it updates); on
+  CPUs the per-tensor loop's (about two copies of the largest parameter), in the base.
 """
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
 
 from osdp_planners.options import Option
-from osdp_planners.profile import ModelProfile
+from osdp_planners.plan import Strategy
+from osdp_planners.profile import ModelProfile, ModuleProfile, Variant
 
 ADAM_STATES = 2  # exp_avg, exp_avg_sq: fp32, sharded like the parameters
+CPU_OPTIMIZER_TEMPS = 2  # the per-parameter AdamW loop allocates about two parameter-sized temporaries
 
 
 @dataclass(frozen=True)
-class UnitBytes:
-    """Bytes one rank holds for one unit under one option (fp32 storage, compute dtype when gathered)."""
-
-    sharded: float  # sharded fp32 parameters (a full copy for DP)
-    opt_state: float
-    grad_shard: float
-    gathered: float  # all unsharded parameters of the unit in the compute dtype
-    gather_step: float  # the largest single all-gather: the whole unit, or one slice plus the rest
-    grad_full: float  # unsharded gradients of the largest gather step, in the compute dtype
-    reduce_buffer: float  # the reduce-scatter input for that step, in fp32 (the reduce dtype)
+class Event:
+    label: str
+    owner: str | None  # the unit whose event it is; None for the loss and the optimizer step
 
 
-def unit_bytes(profile: ModelProfile, unit: str, opt: Option, compute_bytes: int, opt_states: int) -> UnitBytes:
-    full = profile.param_bytes[unit]
-    linears = profile.linear_bytes[unit]
-    ratio = compute_bytes / 4
-    if opt.split > 1 and linears:
-        rest = full - sum(linears)
-        step = max(linears) / opt.split + rest
+@dataclass(frozen=True)
+class UnitEvents:
+    """Where one unit's own events sit in the step (indices into Layout.events)."""
+
+    gather: int
+    forward: dict[str, int]  # module path -> its forward
+    backward_gather: int
+    backward: dict[str, int]
+    reduce: int
+
+    @cached_property
+    def anchors(self) -> list[int]:
+        """Every own event, in order."""
+        return sorted({self.gather, *self.forward.values(), self.backward_gather, *self.backward.values(), self.reduce})
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The step's events for one model (option-independent), and where each unit's buffers may live."""
+
+    events: list[Event]
+    units: dict[str, UnitEvents]
+    loss: int
+    optimizer: int
+    fw_buffer: dict[str, tuple[int, int]]  # after its forward, until the next all-gather
+    prefetch: dict[str, tuple[int, int]]  # its backward all-gather, issued by the unit before it
+    reduce_buffer: dict[str, tuple[int, int]]  # after its reduce-scatter, until the next one
+
+    @classmethod
+    def of(cls, profile: ModelProfile) -> "Layout":
+        mods = profile.modules
+        first = {}
+        for m in mods:
+            first.setdefault(m.unit, m.path)
+        last = {m.unit: m.path for m in mods}
+        events: list[Event] = []
+        gather: dict[str, int] = {}
+        forward: dict[str, dict[str, int]] = {}
+        for m in mods:
+            if m.path == first[m.unit]:
+                gather[m.unit] = len(events)
+                events.append(Event(f"{m.unit} all-gather", m.unit))
+            forward.setdefault(m.unit, {})[m.path] = len(events)
+            events.append(Event(f"{m.path} forward", m.unit))
+        loss = len(events)
+        events.append(Event("loss", None))
+        bw_gather: dict[str, int] = {}
+        backward: dict[str, dict[str, int]] = {}
+        reduce: dict[str, int] = {}
+        for m in reversed(mods):
+            if m.path == last[m.unit]:
+                bw_gather[m.unit] = len(events)
+                events.append(Event(f"{m.unit} backward gather", m.unit))
+            backward.setdefault(m.unit, {})[m.path] = len(events)
+            events.append(Event(f"{m.path} backward", m.unit))
+            if m.path == first[m.unit]:
+                reduce[m.unit] = len(events)
+                events.append(Event(f"{m.unit} reduce-scatter", m.unit))
+        optimizer = len(events)
+        events.append(Event("optimizer step", None))
+        units = {u: UnitEvents(gather[u], forward[u], bw_gather[u], backward[u], reduce[u]) for u in gather}
+        gathers = sorted(gather.values())
+        fw_buffer = {}
+        for u, ev in units.items():
+            end = max(ev.forward.values())
+            nxt = next((g for g in gathers if g > end), loss)
+            fw_buffer[u] = (end + 1, min(nxt, loss - 1))
+        by_bw = sorted(units, key=lambda u: bw_gather[u])
+        prefetch = {u: (bw_gather[by_bw[i - 1]], bw_gather[u] - 1) if i else (1, 0) for i, u in enumerate(by_bw)}
+        by_reduce = sorted(units, key=lambda u: reduce[u])
+        reduce_buffer = {u: (reduce[u] + 1, reduce[by_reduce[i + 1]] - 1 if i + 1 < len(by_reduce) else optimizer - 1)
+                         for i, u in enumerate(by_reduce)}
+        return cls(events, units, loss, optimizer, fw_buffer, prefetch, reduce_buffer)
+
+
+def variant_of(profile: ModelProfile, unit: str, opt: Option) -> Variant:
+    """The profiled variant an option runs its unit's modules as."""
+    split = opt.split if profile.linears.get(unit) else 1
+    return Variant(split, opt.checkpoint and unit in profile.by_unit)
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """One unit under one option: segments (first slot, last slot, bytes) over the step, plus buffers
+    that live at other units' events (Layout's fw_buffer, prefetch, reduce_buffer) and at the
+    optimizer step.
+
+    Slots are positions relative to the unit's own events (UnitEvents.anchors), so that identical
+    units anywhere in the model share one footprint: slot 2k+1 is own event k, slot 2k the events
+    between own events k-1 and k (slot 0: every event before the first, slot 2n: every event after
+    the last; a slot between adjacent own events holds no event).
+    """
+
+    segments: tuple[tuple[int, int, float], ...]
+    fw_buffer: float
+    prefetch: float
+    reduce_buffer: float
+    optimizer_temp: float
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a footprint depends on beyond the unit and its option."""
+
+    batch: int
+    accum: int = 1
+    compute_bytes: int = 4
+    opt_states: int = ADAM_STATES
+    gpu: bool = False
+
+
+def footprint(profile: ModelProfile, layout: Layout, unit: str, opt: Option, s: Settings) -> Footprint:
+    """What `unit` holds at each event of the step under `opt` (see the module docstring)."""
+    ev = layout.units[unit]
+    slot = {e: 2 * i + 1 for i, e in enumerate(ev.anchors)}  # own event -> its slot; +1 is the gap after it
+    start, end = 0, 2 * len(ev.anchors)
+    mods: list[ModuleProfile] = profile.by_unit[unit]
+    v = variant_of(profile, unit, opt)
+    acts = {m.path: m.variants[v] for m in mods}
+    b = s.batch
+    g = opt.group
+    ratio = s.compute_bytes / 4
+    full = float(profile.param_bytes[unit])
+    linears = profile.linears.get(unit, [])
+    split = v.split > 1
+    rest = full - sum(lin.param_bytes for lin in linears) if split else full
+    piece = max((lin.slice_bytes(v.split) for lin in linears), default=0.0) if split else 0.0
+    split_modules = {m.path for m in mods if split and any(lin.path.startswith(f"{m.path}.") for lin in linears)}
+    first, last = mods[0].path, mods[-1].path
+    reshards = opt.strategy in (Strategy.ZERO3, Strategy.HSDP)
+    sharded = g > 1
+    segs: list[tuple[int, int, float]] = []
+
+    def add(a: int, z: int, value: float) -> None:
+        if value:
+            segs.append((a, z, value))
+
+    shard = full / g
+    reduce = slot[ev.reduce]
+    add(start, end, shard * (1 + s.opt_states))
+    add(start if s.accum > 1 else reduce, end, shard)
+    for m in mods:
+        fw, bw = slot[ev.forward[m.path]], slot[ev.backward[m.path]]
+        add(fw + 1, reduce if m.path == first else bw, acts[m.path].keep.at(b))
+        add(fw, fw, acts[m.path].fw_peak.at(b))
+        add(bw, bw, acts[m.path].bw_peak.at(b))
+        if m.path in split_modules:
+            # one slice gathered at a time under ZeRO-3/HSDP (all of them stay under DP/ZeRO-2, counted
+            # below), with its all-gather output and the one before it; in backward the next slice's
+            # prefetched all-gather output. A checkpointed unit's recomputation gathers its slices and
+            # FSDP2 keeps each until its own backward: then all of them are held.
+            recomputed = sum(lin.param_bytes for lin in linears if lin.path.startswith(f"{m.path}."))
+            held = recomputed if v.checkpoint else piece
+            add(fw, fw, piece * ratio * (reshards + 2 * sharded))
+            add(bw, bw, (held * reshards + piece * sharded) * ratio)
+    add(reduce, reduce, acts[first].bw_post.at(b) + rest)  # its reduce-scatter input is fp32
+    if reshards:
+        add(slot[ev.gather], slot[ev.forward[last]], rest * ratio)
+        add(slot[ev.backward_gather], slot[ev.backward[first]], rest * ratio)
     else:
-        step = full
+        add(slot[ev.gather], slot[ev.backward[first]], full * ratio)
+    if sharded:  # the all-gather output of its own gathers
+        add(slot[ev.gather], slot[ev.gather], rest * ratio)
+        if not split:
+            for m in mods:
+                add(slot[ev.forward[m.path]], slot[ev.forward[m.path]], full * ratio)
+        if reshards:
+            add(slot[ev.backward_gather], slot[ev.backward_gather], rest * ratio)
+    last_gather = (piece if split_modules else rest) * ratio if sharded else 0.0
+    return Footprint(tuple(segs), last_gather, rest * ratio if reshards and sharded else 0.0, rest,
+                     shard if s.gpu else 0.0)
+
+
+def root_bytes(profile: ModelProfile, unit: str, opt: Option, s: Settings) -> float:
+    """What the root unit (parameters no other unit claims) holds: FSDP2 gathers it before the first
+    forward and frees it after the last backward, so all of it, all step, with its gradients."""
+    full = float(profile.param_bytes[unit])
     shard = full / opt.group
-    return UnitBytes(shard, opt_states * shard, shard, full * ratio, step * ratio, step * ratio, step)
+    return shard * (2 + s.opt_states) + full * s.compute_bytes / 4 * 2 + full
+
+
+def base_levels(profile: ModelProfile, layout: Layout, s: Settings) -> np.ndarray:
+    """Bytes at each event that belong to no unit's option: the prefix, the backward's extra, the loss."""
+    base = np.zeros(len(layout.events))
+    base[: layout.optimizer] = profile.prefix.at(s.batch)
+    for m in profile.modules:
+        ev = layout.units[m.unit]
+        extra = m.extra.at(s.batch)
+        base[ev.backward[m.path]] += extra
+        if m.path == profile.by_unit[m.unit][-1].path:
+            base[ev.backward_gather] += extra
+        if m.path == profile.by_unit[m.unit][0].path:
+            base[ev.reduce] += extra
+    base[layout.loss] += profile.loss.at(s.batch)
+    if not s.gpu:
+        base[layout.optimizer] += CPU_OPTIMIZER_TEMPS * profile.largest_param_bytes
+    return base
+
+
+def slot_range(layout: Layout, unit: str, a: int, z: int) -> tuple[int, int]:
+    """Event indices (first, last) of the slots a..z of `unit` (see Footprint); first > last: none."""
+    anchors = layout.units[unit].anchors
+
+    def first_event(p: int) -> int:
+        return anchors[p // 2] if p % 2 else (anchors[p // 2 - 1] + 1 if p else 0)
+
+    def last_event(p: int) -> int:
+        return anchors[p // 2] if p % 2 else (anchors[p // 2] - 1 if p // 2 < len(anchors) else len(layout.events) - 1)
+
+    return first_event(a), last_event(z)
+
+
+def global_segments(layout: Layout, unit: str, fp: Footprint) -> Iterable[tuple[int, int, float]]:
+    """A footprint's segments as event indices, its buffers at other units' events included."""
+    for a, z, value in fp.segments:
+        yield (*slot_range(layout, unit, a, z), value)
+    for (a, z), value in ((layout.fw_buffer[unit], fp.fw_buffer), (layout.prefetch[unit], fp.prefetch),
+                          (layout.reduce_buffer[unit], fp.reduce_buffer)):
+        if value:
+            yield a, z, value
+    if fp.optimizer_temp:
+        yield layout.optimizer, layout.optimizer, fp.optimizer_temp
 
 
 @dataclass
@@ -49,82 +277,39 @@ class Timeline:
 
     events: list[tuple[str, float]] = field(default_factory=list)
 
-    def add(self, label: str, value: float) -> None:
-        self.events.append((label, value))
-
     @property
     def peak(self) -> float:
         return max(v for _, v in self.events)
 
 
 def simulate(profile: ModelProfile, options: dict[str, Option], batch: int, compute_bytes: int = 4,
-             optimizer: str = "adamw") -> Timeline:
+             optimizer: str = "adamw", accum: int = 1, gpu: bool = False) -> Timeline:
     """Per-rank bytes at each event of one steady-state step (after the first optimizer step)."""
-    states = ADAM_STATES if optimizer == "adamw" else 0
-    ub = {u: unit_bytes(profile, u, o, compute_bytes, states) for u, o in options.items()}
-    base = sum(b.sharded + b.opt_state for b in ub.values())
-    saved = _checkpoint_savings(profile, options, batch)
-    mods = profile.modules
-    last_module = {m.unit: m.path for m in mods}
-    first_module = {}
-    for m in mods:
-        first_module.setdefault(m.unit, m.path)
-    tl = Timeline()
-    gathered: dict[str, float] = {}
-    ag_last = rs_last = grad_shards = 0.0
-
-    def level(act: float) -> float:
-        return base + act + sum(gathered.values()) + ag_last + rs_last + grad_shards
-
-    for i, m in enumerate(mods):
-        b, o = ub[m.unit], options[m.unit]
-        act_off = saved.forward[i]
-        if m.path == first_module[m.unit] and m.unit not in gathered:
-            tl.add(f"{m.path} all-gather", level(m.pre_fw.at(batch) - act_off) + b.gather_step)
-            ag_last = b.gather_step
-            gathered[m.unit] = b.gathered if o.holds_params else b.gather_step
-        tl.add(f"{m.path} forward", level(m.peak_fw.at(batch) - act_off))
-        if m.path == last_module[m.unit] and not o.holds_params:
-            gathered.pop(m.unit)
-    ag_last = 0.0  # the root's post-forward releases the last all-gather's buffer
-    tl.add("loss", level(profile.peak_loss.at(batch) - saved.loss))
-    backward_units = list(dict.fromkeys(m.unit for m in reversed(mods)))
-    for i, m in reversed(list(enumerate(mods))):
-        b = ub[m.unit]
-        act_off = saved.backward[i]
-        if m.path == last_module[m.unit]:
-            if m.unit not in gathered:  # its all-gather was prefetched into the buffer
-                gathered[m.unit] = b.gather_step
-            pos = backward_units.index(m.unit)
-            nxt = backward_units[pos + 1] if pos + 1 < len(backward_units) else None
-            if nxt is not None and nxt not in gathered:  # prefetch the next unit of the backward
-                ag_last = ub[nxt].gather_step
-        own_grads = profile.param_bytes[m.unit] * compute_bytes / 4 - b.grad_full  # profiled: unsplit grads
-        tl.add(f"{m.path} backward", level(m.peak_bw.at(batch) - act_off - max(own_grads, 0.0)))
-        if m.path == first_module[m.unit]:
-            gathered.pop(m.unit)  # FSDP2 reshards before it reduce-scatters
-            rs_last = 0.0
-            tl.add(f"{m.path} reduce-scatter", level(m.post_bw.at(batch) - act_off) + b.grad_full + b.reduce_buffer)
-            rs_last = b.reduce_buffer
-            grad_shards += b.grad_shard
-    tl.add("optimizer step", level(0.0))
-    return tl
+    layout = layout_of(profile)
+    s = Settings(batch, accum, compute_bytes, ADAM_STATES if optimizer == "adamw" else 0, gpu)
+    levels = base_levels(profile, layout, s)
+    diff = np.zeros(len(levels) + 1)
+    for unit, opt in options.items():
+        if unit not in layout.units:
+            levels += root_bytes(profile, unit, opt, s)
+            continue
+        for a, z, value in global_segments(layout, unit, footprint(profile, layout, unit, opt, s)):
+            if a <= z:
+                diff[a] += value
+                diff[z + 1] -= value
+    levels = levels + np.cumsum(diff[:-1])
+    return Timeline([(e.label, float(v)) for e, v in zip(layout.events, levels, strict=True)])
 
 
-@dataclass(frozen=True)
-class _Savings:
-    forward: list[float]
-    loss: float
-    backward: list[float]
+_LAYOUTS: dict[int, tuple[ModelProfile, Layout]] = {}
 
 
-def _checkpoint_savings(profile: ModelProfile, options: dict[str, Option], batch: int) -> _Savings:
-    """Activation bytes checkpointed units do not keep, at each event (they keep only their output)."""
-    mods = profile.modules
-    n = len(mods)
-    kept = [m.post_fw.at(batch) - m.pre_fw.at(batch) - m.output.at(batch) if options[m.unit].checkpoint else 0.0
-            for m in mods]
-    forward = [sum(kept[:i]) for i in range(n)]
-    total = sum(kept)
-    backward = [sum(kept[:i]) for i in range(n)]
-    return _Savings(forward, total, backward)
+def layout_of(profile: ModelProfile) -> Layout:
+    """The profile's event layout, built once per profile."""
+    cached = _LAYOUTS.get(id(profile))
+    if cached is None or cached[0] is not profile:
+        cached = (profile, Layout.of(profile))
+        _LAYOUTS[id(profile)] = cached
+    return cached[1]
+
+

@@ -5,17 +5,16 @@ and checkpointing whose memory fits, then keeps the batch with the highest throu
 not the shortest step, which would always favour the smallest batch.
 """
 
-import math
 from dataclasses import dataclass
 
 from torch import nn
 
 from osdp_planners.errors import UserError
-from osdp_planners.evaluate import Context, Evaluation, activation_local, candidates, evaluate, neighbour_buffers
-from osdp_planners.options import Option, unit_options
+from osdp_planners.evaluate import Bound, Context, Evaluation, evaluate, unit_seconds
+from osdp_planners.options import SPLITS, Option, unit_options
 from osdp_planners.plan import Baseline, Plan, Predicted, Strategy, UnitPlan
 from osdp_planners.request import PlanRequest
-from osdp_planners.search import Candidate, solve
+from osdp_planners.search import Candidate, least_bound, solve
 from osdp_planners.uniform import group_size, make_plan
 
 MAX_MICRO_BATCH = 1024
@@ -56,43 +55,48 @@ def _checkpointable(ctx: Context, unit: str) -> bool:
     return unit in ctx.profile.by_unit
 
 
-def _unit_key(ctx: Context, unit: str, batch: int, local: float) -> tuple[object, ...]:
-    """What a unit's candidates depend on: identical blocks share one list instead of rescoring it."""
-    mods = ctx.profile.by_unit[unit]
-    return (ctx.profile.param_bytes[unit], tuple(ctx.profile.linear_bytes[unit]), local,
-            tuple((m.post_fw.at(batch) - m.pre_fw.at(batch), m.output.at(batch), m.fwd_flops.at(batch)) for m in mods),
-            None if ctx.measured is None else (ctx.measured.forward[unit], ctx.measured.backward[unit]))
+def _time_key(ctx: Context, bound: Bound, unit: str) -> tuple[object, ...]:
+    """What a unit's step times depend on: identical blocks share them instead of rescoring."""
+    measured = None if ctx.measured is None else (ctx.measured.forward.get(unit), ctx.measured.backward.get(unit))
+    flops = tuple(m.fwd_flops for m in ctx.profile.by_unit.get(unit, []))
+    return bound.signature(unit), ctx.profile.tensor_count[unit], measured, flops
 
 
-def _all_candidates(ctx: Context, units: list[str], options: dict[str, list[Option]], batch: int, accum: int,
-                    local: dict[str, float]) -> list[list[Candidate]]:
-    cache: dict[tuple[object, ...], list[Candidate]] = {}
+def search_candidates(ctx: Context, units: list[str], options: dict[str, list[Option]], batch: int, accum: int
+                      ) -> list[list[Candidate]]:
+    """Every unit's candidates for the knapsack, plus one for the loss and optimizer step's base."""
+    bound = Bound(ctx, batch, accum)
+    bound.add_neighbour_buffers(options)
+    times: dict[tuple[object, ...], list[float]] = {}
     out = []
     for u in units:
-        key = (_unit_key(ctx, u, batch, local[u]), tuple(options[u]))
-        if key not in cache:
-            cache[key] = candidates(ctx, u, options[u], batch, accum, local[u])
-        out.append(cache[key])
+        key = (_time_key(ctx, bound, u), tuple(options[u]))
+        if key not in times:
+            times[key] = [unit_seconds(ctx, u, o, batch, accum) for o in options[u]]
+        out.append(bound.candidates(u, options[u], times[key]))
+    out.append([Candidate(0.0, bound.global_transient(), 0.0)])
     return out
+
+
+def unit_option_lists(ctx: Context, req: PlanRequest) -> dict[str, list[Option]]:
+    """Every option of every unit the topology and the unit's shape allow."""
+    return {u.name: unit_options(req.world_size, req.workers_per_node, req.nodes, _splittable(ctx, u.name),
+                                 _checkpointable(ctx, u.name)) for u in ctx.profile.units}
 
 
 def search_osdp(ctx: Context, req: PlanRequest) -> Choice | None:
     """Best throughput over the batch candidates; None if no plan fits at any batch."""
     units = [u.name for u in ctx.profile.units]
-    options = {u: unit_options(req.world_size, req.workers_per_node, req.nodes, _splittable(ctx, u),
-                               _checkpointable(ctx, u)) for u in units}
-    neighbours = neighbour_buffers(ctx)
+    options = unit_option_lists(ctx, req)
     best: Choice | None = None
     for batch, accum in batch_candidates(req):
-        local = activation_local(ctx, batch)
-        local = {u: v + neighbours[u] for u, v in local.items()}
-        cands = _all_candidates(ctx, units, options, batch, accum, local)
+        cands = search_candidates(ctx, units, options, batch, accum)
         found = solve(cands, ctx.memory_limit)
         if found is None:
             if req.global_batch_size is None:
                 break  # larger batches only need more memory
             continue
-        chosen = {u: options[u][i] for u, i in zip(units, found.choice, strict=True)}
+        chosen = {u: options[u][i] for u, i in zip(units, found.choice[:-1], strict=True)}
         ev = evaluate(ctx, chosen, batch, accum)
         if ev.peak_bytes > ctx.memory_limit:  # the bound is an upper bound of this; never trust it blindly
             continue
@@ -125,11 +129,34 @@ def best_uniform(ctx: Context, req: PlanRequest, strategy: Strategy) -> Choice |
 
 
 def smallest_footprint(ctx: Context, req: PlanRequest) -> Choice:
-    """The least memory any plan needs: everything ZeRO-3, split 8, checkpointed, the smallest batch."""
+    """The least memory a plan needs, as far as the planner can tell, at the smallest batch: the plan
+    that minimises the search's memory bound, or a uniform ZeRO-3 plan (every split factor, with and
+    without checkpointing: splitting adds buffers, so more is not always less), whichever simulates lower."""
     batch, accum = min(batch_candidates(req))
-    options = {u.name: Option(Strategy.ZERO3, req.world_size, 8 if _splittable(ctx, u.name) else 1,
-                              _checkpointable(ctx, u.name)) for u in ctx.profile.units}
-    return Choice(options, batch, accum, evaluate(ctx, options, batch, accum))
+    units = [u.name for u in ctx.profile.units]
+    options = unit_option_lists(ctx, req)
+    cands = search_candidates(ctx, units, options, batch, accum)
+    plans = [{u: options[u][i] for u, i in zip(units, least_bound(cands), strict=False)}]
+    for split in SPLITS:
+        for ckpt in (False, True):
+            plans.append({u.name: Option(Strategy.ZERO3, req.world_size, split if _splittable(ctx, u.name) else 1,
+                                         ckpt and _checkpointable(ctx, u.name)) for u in ctx.profile.units})
+    evaluated = [Choice(p, batch, accum, evaluate(ctx, p, batch, accum)) for p in plans]
+    return min(evaluated, key=lambda c: c.evaluation.peak_bytes)
+
+
+def describe(options: dict[str, Option]) -> str:
+    """A plan in a few words, for messages: strategies, splits, checkpointing."""
+    kinds: dict[str, int] = {}
+    for o in options.values():
+        name = f"HSDP({o.group})" if o.strategy is Strategy.HSDP else o.strategy.value.upper().replace("ZERO", "ZeRO-")
+        kinds[name] = kinds.get(name, 0) + 1
+    words = [", ".join(f"{n} x{k}" for n, k in kinds.items())]
+    splits = sorted({o.split for o in options.values()} - {1})
+    words.append(f"Linears split {'/'.join(map(str, splits))} ways" if splits else "no split")
+    ckpt = sum(o.checkpoint for o in options.values())
+    words.append(f"{ckpt} unit(s) checkpointed" if ckpt else "no checkpointing")
+    return "; ".join(words)
 
 
 def baselines(ctx: Context, req: PlanRequest) -> dict[str, Baseline]:
@@ -150,14 +177,16 @@ def infeasible(ctx: Context, req: PlanRequest) -> UserError:
     low = smallest_footprint(ctx, req)
     need = low.evaluation.peak_bytes
     what = "no plan fits" if req.planner in ("osdp", "manual") else f"no {req.planner} plan fits at any batch size"
-    advised = math.ceil(need / GIB * 1e4) / 1e4  # rounded up, so the advice is always enough
-    fix = f"raise the memory limit to at least {advised:.4f} GiB, add devices, or shorten data.seq_len"
+    advised = req.margin.budget_for(need) / GIB
+    fix = (f"raise the memory limit to at least {advised:.4f} GiB (the footprint plus the "
+           f"{req.margin.describe()} margin), add devices, or shorten data.seq_len")
     if req.planner not in ("osdp", "manual") and need <= ctx.memory_limit:
         fix = "use planner.name=osdp, which mixes strategies to fit, or raise the memory limit"
     return UserError(
-        "planner.memory_limit_gb", round(ctx.memory_limit / GIB, 4),
-        f"{what}: the smallest footprint of any plan is {need / GIB:.4f} GiB per device (all units ZeRO-3, "
-        f"Linears split 8 ways, activation checkpointing, micro batch {low.batch})", fix)
+        "planner.memory_limit_gb", round(req.memory_limit_bytes / GIB, 4),
+        f"{what}: the smallest footprint the planner finds is {need / GIB:.4f} GiB per device "
+        f"({describe(low.options)}; micro batch {low.batch}), and {ctx.memory_limit / GIB:.4f} GiB of the "
+        f"budget is usable after the {req.margin.describe()} margin", fix)
 
 
 def to_plan(model: nn.Module, req: PlanRequest, ctx: Context, choice: Choice) -> Plan:

@@ -42,6 +42,14 @@ class Predicted(_Strict):
     throughput_samples_per_s: float | None = None
 
 
+class Margin(_Strict):
+    """The memory kept unplanned (planners/margin.py): usable = budget x (1 - fraction) - reserve."""
+
+    fraction: float = Field(ge=0, lt=1)
+    reserve_bytes: int = Field(ge=0)
+    usable_bytes: int
+
+
 class Baseline(_Strict):
     fits: bool
     micro_batch_size: int | None = None
@@ -63,6 +71,7 @@ class Plan(_Strict):
     seq_len: int = Field(ge=1)
     precision: str = "fp32"
     memory_limit_bytes: int | None = None
+    memory_margin: Margin | None = None
     units: list[UnitPlan]
     predicted: Predicted = Field(default_factory=Predicted)
     baselines: dict[str, Baseline] = Field(default_factory=dict)

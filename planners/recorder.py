@@ -3,6 +3,12 @@
 torch's MemTracker and FlopCounterMode revisit every tracked module on every op, which grows with
 depth squared and takes minutes on a 70B model; this keeps O(1) work per op. It counts each storage
 created while it is active once, until it is freed, so parameters (made before) are not counted.
+
+Parameter gradients are held as FSDP2 holds them: a group's unsharded gradients live from their
+creation until the group's post-backward (when FSDP2 reduce-scatters and frees them), which fires
+when the gradients of the inputs of the group's first module are ready, or at the end of backward
+when those inputs need none (an embedding). A checkpointed module re-runs its forward inside its
+backward: those forward hooks are not readings of the forward.
 """
 
 import weakref
@@ -18,14 +24,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-POINTS = ("pre_fw", "peak_fw", "post_fw", "pre_bw", "peak_bw", "post_bw")
-
 
 @dataclass
 class ModuleReadings:
-    values: dict[str, float] = field(default_factory=dict)
+    values: dict[str, float] = field(default_factory=dict)  # pre_fw, post_fw, pre_bw, post_bw
+    spans: dict[str, tuple[int, int]] = field(default_factory=dict)  # fw / bw -> first, last trace index
     flops: float = 0.0
-    output: float = 0.0
 
 
 class _Live(TorchDispatchMode):
@@ -43,21 +47,32 @@ class _Live(TorchDispatchMode):
         packet = func._overloadpacket
         if packet in flop_registry and rec.current_fw is not None:
             rec.readings[rec.current_fw].flops += flop_registry[packet](*args, **kwargs, out_val=out)
-        rec.touch()
+        if func.namespace != "prim":  # prim queries allocate nothing and come and go with fake mode's caches
+            rec.mark(packet.__name__)
         return out
 
 
 class Recorder:
-    """Readings for the modules named in `paths` (module -> path)."""
+    """Readings for the modules named in `paths` (module -> path); `grad_groups` maps the module whose
+    post-backward frees a gradient group (FSDP2's) to that group's parameters.
 
-    def __init__(self, paths: dict[nn.Module, str], model: nn.Module) -> None:
+    `trace` holds the live bytes after every op: a peak is kept as the stretch of the trace it is the
+    maximum of, so that runs at two batch sizes (the same ops in the same order) give each op's bytes
+    as a line in the batch, and a peak as the maximum of those lines (see profile.Peak).
+    """
+
+    def __init__(self, paths: dict[nn.Module, str], model: nn.Module,
+                 grad_groups: dict[nn.Module, list[nn.Parameter]]) -> None:
         self.paths = paths
+        self.grad_groups = grad_groups
         self.readings = {p: ModuleReadings() for p in paths.values()}
         self.live = 0.0
+        self.trace: list[float] = []
+        self.ops: list[str] = []  # what ran at each trace index (runs are aligned by it)
         self.current_fw: str | None = None
         self._seen: dict[int, int] = {}
-        self._open_peaks: dict[tuple[str, str], float] = {}
-        self.regions: dict[str, float] = {}  # name -> peak of a stretch outside any module (see open_region)
+        self._open: dict[tuple[str, str], int] = {}
+        self.regions: dict[str, tuple[int, int]] = {}  # name -> a stretch outside any module (see open_region)
         # views of parameters (a Linear's weight.t()) share their storage: never count it
         self._params = {id(t.untyped_storage()) for t in (*model.parameters(), *model.buffers())}
 
@@ -78,59 +93,68 @@ class Recorder:
         """Count `t` as freed now (its storage may outlive it in fake mode's caches)."""
         self._free(id(t.untyped_storage()))
 
-    def touch(self) -> None:
-        for k, v in self._open_peaks.items():
-            if self.live > v:
-                self._open_peaks[k] = self.live
+    def mark(self, op: str = "") -> int:
+        """Record the live bytes now (after `op`); returns its trace index."""
+        self.trace.append(self.live)
+        self.ops.append(op)
+        return len(self.trace) - 1
 
-    def _open(self, path: str, phase: str) -> None:
+    def _start(self, path: str, phase: str) -> None:
         self.readings[path].values[f"pre_{phase}"] = self.live
-        self._open_peaks[(path, phase)] = self.live
+        self._open[(path, phase)] = self.mark()
 
-    def _close(self, path: str, phase: str) -> None:
-        r = self.readings[path].values
-        r[f"peak_{phase}"] = max(self._open_peaks.pop((path, phase), self.live), self.live)
-        r[f"post_{phase}"] = self.live
+    def _end(self, path: str, phase: str) -> None:
+        r = self.readings[path]
+        r.spans[phase] = (self._open.pop((path, phase)), self.mark())
+        r.values[f"post_{phase}"] = self.live
 
     def open_region(self, name: str) -> None:
-        """Track the peak from now until the next module's backward starts (the loss's own backward)."""
-        self._open_peaks[(name, "region")] = self.live
+        """Track the stretch from now until the next module's backward starts (the loss's own backward)."""
+        self._open[(name, "region")] = self.mark()
 
     def _close_regions(self) -> None:
-        for name, phase in list(self._open_peaks):
+        for name, phase in list(self._open):
             if phase == "region":
-                self.regions[name] = self._open_peaks.pop((name, phase))
+                self.regions[name] = (self._open.pop((name, phase)), self.mark())
+
+    def _free_grads(self, params: list[nn.Parameter]) -> None:
+        for p in params:
+            if p.grad is not None:
+                self.forget(p.grad)
+                p.grad = None
 
     def close_all(self) -> None:
         """Backward hooks of modules whose inputs need no grad (embeddings) never fire: close at the end."""
         self._close_regions()
-        for path, phase in list(self._open_peaks):
-            self._close(path, phase)
+        for path, phase in list(self._open):
+            self._end(path, phase)
+        for params in self.grad_groups.values():
+            self._free_grads(params)
 
     @contextmanager
     def active(self) -> Iterator[None]:
         tracker = ModTracker()
 
         def pre_fw(mod: nn.Module, _inp: Any) -> None:
-            if mod in self.paths:
+            if mod in self.paths and not tracker.is_bw:
                 self.current_fw = self.paths[mod]
-                self._open(self.paths[mod], "fw")
+                self._start(self.paths[mod], "fw")
 
-        def post_fw(mod: nn.Module, _inp: Any, out: Any) -> None:
-            if mod in self.paths:
-                self._close(self.paths[mod], "fw")
-                self.readings[self.paths[mod]].output = float(sum(
-                    t.untyped_storage().nbytes() for t in tree_leaves(out) if isinstance(t, torch.Tensor)))
+        def post_fw(mod: nn.Module, _inp: Any, _out: Any) -> None:
+            if mod in self.paths and not tracker.is_bw:
+                self._end(self.paths[mod], "fw")
                 self.current_fw = None
 
         def pre_bw(mod: nn.Module | None, _g: Any) -> None:
             self._close_regions()
             if mod in self.paths:
-                self._open(self.paths[mod], "bw")
+                self._start(self.paths[mod], "bw")
 
         def post_bw(mod: nn.Module | None, _g: Any) -> None:
-            if mod in self.paths and (self.paths[mod], "bw") in self._open_peaks:
-                self._close(self.paths[mod], "bw")
+            if mod in self.paths and (self.paths[mod], "bw") in self._open:
+                self._end(self.paths[mod], "bw")  # read before the group's gradients go
+            if mod in self.grad_groups:
+                self._free_grads(self.grad_groups.pop(mod))
 
         tracker.register_user_hooks(pre_fw, post_fw, pre_bw, post_bw)
         with tracker, _Live(self):

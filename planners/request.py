@@ -1,8 +1,9 @@
 """What a planner is asked: the model's context (pool, limits, batch, precision), independent of recipes."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from osdp_planners.hardware import DevicePreset
+from osdp_planners.margin import MemoryMargin
 
 
 @dataclass(frozen=True)
@@ -12,7 +13,7 @@ class PlanRequest:
     nodes: int
     workers_per_node: int
     device: DevicePreset
-    memory_limit_bytes: int
+    memory_limit_bytes: int  # the budget; plans fill it less the margin
     seq_len: int
     micro_batch_size: int | None  # None: the planner chooses
     global_batch_size: int | None  # fixed global batch: the planner picks micro batch x accumulation
@@ -21,6 +22,11 @@ class PlanRequest:
     hsdp_group_size: int | None = None
     plan_file: str | None = None
     token_range: int = 256  # token ids the data produces (bytes), used to drive profiling runs
+    margin: MemoryMargin = field(default_factory=MemoryMargin)
+
+    @property
+    def usable_memory_bytes(self) -> float:
+        return self.margin.usable(self.memory_limit_bytes)
 
     @property
     def world_size(self) -> int:

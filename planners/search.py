@@ -104,3 +104,20 @@ def solve(cands: list[list[Candidate]], budget: float, quantum: float | None = N
         if found and (best is None or found[0] < best.time_s):
             best = Solution(found[1], found[0], bound(cands, found[1], quantum), cap)
     return best
+
+
+def least_bound(cands: list[list[Candidate]]) -> list[int]:
+    """The choice with the smallest memory bound, whatever its time: for each cap on the largest
+    transient, every unit's smallest resident under the cap."""
+    best: tuple[float, list[int]] | None = None
+    for cap in sorted({c.transient for unit in cands for c in unit}):
+        allowed = _allowed(cands, cap)
+        if not all(allowed):
+            continue
+        choice = [min(idxs, key=lambda i, unit=unit: (unit[i].resident, unit[i].time_s))
+                  for unit, idxs in zip(cands, allowed, strict=True)]
+        total = bound(cands, choice, 1.0)
+        if best is None or total < best[0]:
+            best = (total, choice)
+    assert best is not None, "every unit has at least one candidate"
+    return best[1]

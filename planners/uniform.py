@@ -2,7 +2,7 @@
 
 from torch import nn
 
-from osdp_planners.plan import Plan, Strategy, UnitPlan
+from osdp_planners.plan import Margin, Plan, Strategy, UnitPlan
 from osdp_planners.request import PlanRequest
 from osdp_planners.units import Unit, find_units, structure_hash
 
@@ -39,6 +39,8 @@ def make_plan(model: nn.Module, req: PlanRequest, units: list[UnitPlan],
         seq_len=req.seq_len,
         precision=req.precision,
         memory_limit_bytes=req.memory_limit_bytes,
+        memory_margin=Margin(fraction=req.margin.fraction, reserve_bytes=req.margin.reserve_bytes,
+                             usable_bytes=int(req.usable_memory_bytes)),
         units=units,
     )
 

@@ -15,8 +15,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from osdp_planners.plan import Plan, Strategy, UnitPlan
+from osdp_planners.split import SplitLinear, split_linear_in
 from osdp_planners.units import find_units, structure_hash
-from osdp_platform.split import SplitLinear, split_linear_in
 
 
 class PlanMismatch(RuntimeError):

@@ -2,7 +2,7 @@
 
 import json
 import os
-from dataclasses import asdict
+from dataclasses import fields, is_dataclass
 from typing import Any
 
 import ray
@@ -27,6 +27,7 @@ def plan_request(recipe: Recipe) -> PlanRequest:
         workers_per_node=hw.workers_per_node,
         device=get_preset(hw.preset),
         memory_limit_bytes=recipe.memory_limit_bytes,
+        margin=recipe.memory_margin,
         seq_len=recipe.data.seq_len,
         micro_batch_size=None if t.micro_batch_size == "auto" else t.micro_batch_size,
         global_batch_size=t.global_batch_size,
@@ -75,14 +76,26 @@ class PlannerActor:
         return result.plan.to_json(), profile_json(result)
 
 
+def _jsonable(obj: Any) -> Any:
+    """Dataclasses as dicts, like dataclasses.asdict, but a key that is not a string (a profile's
+    Variant) is written as its repr, since JSON keys are strings."""
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _jsonable(getattr(obj, f.name)) for f in fields(obj)}
+    if isinstance(obj, dict):
+        return {k if isinstance(k, str) else repr(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
 def profile_json(result: PlanResult) -> str:
     """What the plan was computed from (profile, measured times, collectives), for the run's artifacts."""
     ctx = result.context
     return json.dumps({
-        "profile": asdict(ctx.profile),
-        "measured_compute": asdict(ctx.measured) if ctx.measured else None,
-        "measured_comm": asdict(ctx.topo.measured) if ctx.topo.measured else None,
-        "device": asdict(ctx.topo.device),
+        "profile": _jsonable(ctx.profile),
+        "measured_compute": _jsonable(ctx.measured),
+        "measured_comm": _jsonable(ctx.topo.measured),
+        "device": _jsonable(ctx.topo.device),
     }, indent=1, default=str)
 
 

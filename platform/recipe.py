@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
 from osdp_planners.hardware import PRESETS
+from osdp_planners.margin import MemoryMargin
 
 
 class _Section(BaseModel):
@@ -93,6 +94,11 @@ class HardwareSection(_Section):
 class PlannerSection(_Section):
     name: Literal["ddp", "zero2", "zero3", "hsdp", "osdp", "manual"] = "osdp"
     memory_limit_gb: float | None = Field(default=None, gt=0, description="defaults to the device memory")
+    memory_margin: float | None = Field(default=None, ge=0, lt=0.5, description=(
+        "share of the budget kept unplanned (allocator fragmentation, model error); default 0.02 on CPU, "
+        "0.05 on GPU"))
+    memory_reserve_gb: float | None = Field(default=None, ge=0, description=(
+        "fixed memory kept unplanned (CUDA context, NCCL buffers); default 0 on CPU, 1 on GPU"))
     hsdp_group_size: PositiveInt | None = None
     plan_file: str | None = None
 
@@ -152,7 +158,17 @@ class Recipe(_Section):
                 raise ValueError(
                     f"train.global_batch_size {gb} must be a multiple of micro_batch_size x world size = {mb * ws}"
                 )
+        if self.memory_margin.usable(self.memory_limit_bytes) <= 0:
+            raise ValueError(f"planner.memory_reserve_gb {self.planner.memory_reserve_gb} leaves no memory of the "
+                             f"{self.memory_limit_bytes / 1024**3:.4g} GiB budget to plan: lower it (or set it "
+                             "to 0) or raise the budget")
         return self
+
+    @property
+    def memory_margin(self) -> MemoryMargin:
+        reserve = self.planner.memory_reserve_gb
+        return MemoryMargin.default(PRESETS[self.hardware.preset].accelerator, self.planner.memory_margin,
+                                    None if reserve is None else int(reserve * 1024**3))
 
     @property
     def memory_limit_bytes(self) -> int:

@@ -37,8 +37,11 @@ def comparison(result: PlanResult) -> str:
     """One line: this plan against the best uniform plan that fits."""
     plan = result.plan
     pred = plan.predicted
-    head = (f"predicted: peak {_fmt_bytes(pred.peak_memory_bytes or 0)} of {_fmt_bytes(plan.memory_limit_bytes or 0)}, "
-            f"step {pred.step_time_s or 0:.4f} s, {pred.throughput_samples_per_s or 0:.2f} samples/s")
+    margin = plan.memory_margin
+    usable = (f" ({_fmt_bytes(margin.usable_bytes)} usable after a {margin.fraction:.0%} + "
+              f"{_fmt_bytes(margin.reserve_bytes)} margin)" if margin else "")
+    head = (f"predicted: peak {_fmt_bytes(pred.peak_memory_bytes or 0)} of {_fmt_bytes(plan.memory_limit_bytes or 0)}"
+            f"{usable}, step {pred.step_time_s or 0:.4f} s, {pred.throughput_samples_per_s or 0:.2f} samples/s")
     fitting = {k: b for k, b in plan.baselines.items() if b.fits and b.throughput_samples_per_s}
     if not fitting:
         return f"{head}; no uniform plan fits"

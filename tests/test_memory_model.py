@@ -22,7 +22,7 @@ from osdp_platform.fake_rank import measure_fake_rank
 from osdp_platform.zoo import build_zoo_model
 
 WORLD, BATCH, SEQ = 4, 4, 64
-TOLERANCE = 0.05
+UNDER, OVER = 0.02, 0.06  # a plan predicted to fit must fit; over-prediction only wastes memory
 
 SHAPES: dict[str, Callable[[], nn.Module]] = {
     "llama-mha": lambda: build_zoo_model("llama", "tiny", dim=256, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=688,
@@ -57,7 +57,7 @@ def _plans(meta: nn.Module) -> dict[str, Plan]:
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_predicted_peak_within_5_percent_of_fake_rank(shape: str) -> None:
+def test_predicted_peak_matches_the_fake_rank(shape: str) -> None:
     build = SHAPES[shape]
     with torch.device("meta"):
         meta = build()
@@ -68,8 +68,25 @@ def test_predicted_peak_within_5_percent_of_fake_rank(shape: str) -> None:
         measured[name] = measure_fake_rank(build, plan, vocab).peak_bytes
         predicted = simulate(profile, {u.name: Option.of(u) for u in plan.units}, BATCH).peak
         errors[name] = predicted / measured[name] - 1
-    bad = {k: f"{v:+.1%}" for k, v in errors.items() if abs(v) > TOLERANCE}
-    assert not bad, f"{shape}: predictions off by more than {TOLERANCE:.0%}: {bad}"
+    bad = {k: f"{v:+.1%}" for k, v in errors.items() if not -UNDER <= v <= OVER}
+    assert not bad, f"{shape}: predictions outside -{UNDER:.0%}..+{OVER:.0%} of the measured peak: {bad}"
     # the measurement itself must tell the strategies apart, or the comparison proves nothing
     assert measured["zero3"] < measured["zero2"] < measured["ddp"]
     assert measured["checkpointed"] < measured["zero3"]
+
+
+def test_a_truncated_profile_keeps_the_full_models_forward_order() -> None:
+    """The profile runs two of the identical blocks; the blocks it stands in for must follow each other
+    whole (block 2's attention after block 1's MLP), or every later event sits at the wrong time."""
+    def build(_device: str = "cpu") -> nn.Module:
+        return build_zoo_model("llama", "tiny", dim=64, n_layers=4, n_heads=2, n_kv_heads=2, ffn_dim=96,
+                               vocab_size=128)
+
+    model = build()
+    profiled = [m.path for m in profile_model(build, 16, 128).modules]
+    order: list[str] = []
+    for path, module in model.named_modules():
+        if path in profiled:
+            module.register_forward_pre_hook(lambda _m, _a, path=path: order.append(path))
+    model(torch.randint(0, 128, (1, 16)))
+    assert profiled == list(dict.fromkeys(order))

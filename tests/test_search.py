@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from osdp_planners import PlanRequest, build_context, make_plan_for
+from osdp_planners import PlanRequest, build_context, make_plan_for, osdp
 from osdp_planners.errors import UserError
-from osdp_planners.evaluate import Context, activation_local, candidates, neighbour_buffers
+from osdp_planners.evaluate import Context
 from osdp_planners.hardware import GIB, get_preset
 from osdp_planners.memory_model import simulate
 from osdp_planners.options import Option, unit_options
@@ -205,10 +205,8 @@ def unit_option_lists(ctx: Context, workers: int) -> dict[str, list[Option]]:
 
 
 def search_candidates(ctx: Context, options: dict[str, list[Option]], batch: int, accum: int = 1) -> Cands:
-    """The candidates search_osdp hands to solve: local activations plus neighbours' buffers."""
-    local = activation_local(ctx, batch)
-    neighbours = neighbour_buffers(ctx)
-    return [candidates(ctx, u, opts, batch, accum, local[u] + neighbours[u]) for u, opts in options.items()]
+    """The candidates search_osdp hands to solve (the last 'unit' stands for the loss and optimizer step)."""
+    return osdp.search_candidates(ctx, list(options), options, batch, accum)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -286,23 +284,31 @@ def test_bound_covers_the_simulated_peak(shape: Shape) -> None:
             picked = {u: options[u][i] for u, i in zip(units, choice, strict=True)}
             peak = simulate(ctx.profile, picked, batch, ctx.compute_bytes, ctx.optimizer).peak
             # quantum 1 rounds each resident up by under a byte: the bound is (almost) the plain sum
-            searched = bound(cands, choice, 1.0)
+            searched = bound(cands, [*choice, 0], 1.0)  # the last 'unit' is the loss and optimizer step
             assert searched >= peak, f"{s} batch {batch}: bound {searched:.0f} < simulated peak {peak:.0f}: {picked}"
 
 
 # --- the planner end to end: infeasible limits and fitting plans --------------------------------------------
 
 
-def smallest_options(ctx: Context, workers: int) -> dict[str, Option]:
-    """All ZeRO-3 over the world, Linears split 8 ways, checkpointed (as the error message claims)."""
-    return {u.name: Option(Strategy.ZERO3, workers, 8 if ctx.profile.linear_bytes[u.name] else 1,
-                           any(m.unit == u.name for m in ctx.profile.modules)) for u in ctx.profile.units}
+def smallest_need(ctx: Context, workers: int) -> float:
+    """The least simulated peak at batch 1 over all-ZeRO-3 plans of every split and checkpoint setting."""
+    peaks = []
+    for split in (1, 2, 4, 8):
+        for ckpt in (False, True):
+            options = {u.name: Option(Strategy.ZERO3, workers, split if ctx.profile.linear_bytes[u.name] else 1,
+                                      ckpt and any(m.unit == u.name for m in ctx.profile.modules))
+                       for u in ctx.profile.units}
+            peaks.append(simulate(ctx.profile, options, 1, ctx.compute_bytes, ctx.optimizer).peak)
+    return min(peaks)
 
 
-def test_smallest_footprint_is_no_larger_than_random_plans() -> None:
-    ctx = context("gpt2")
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_smallest_footprint_is_no_larger_than_uniform_or_random_plans(family: str) -> None:
+    ctx = context(family)
     options = unit_option_lists(ctx, 4)
-    low = simulate(ctx.profile, smallest_options(ctx, 4), 1, ctx.compute_bytes, ctx.optimizer).peak
+    low = osdp.smallest_footprint(ctx, request(family)).evaluation.peak_bytes
+    assert low <= smallest_need(ctx, 4)
     rng = random.Random(5)
     for _ in range(200):
         picked = {u: rng.choice(opts) for u, opts in options.items()}
@@ -321,7 +327,8 @@ def gib_after(text: str, words: str) -> tuple[float, float]:
 def test_infeasible_limit_names_the_smallest_footprint_and_the_threshold_holds(
         family: str, vocab: int | None, dim: int | None) -> None:
     ctx = context(family, vocab_size=vocab, dim=dim)
-    need = simulate(ctx.profile, smallest_options(ctx, 4), 1, ctx.compute_bytes, ctx.optimizer).peak
+    need = osdp.smallest_footprint(ctx, request(family)).evaluation.peak_bytes
+    assert need <= smallest_need(ctx, 4)  # never more than the plainest smallest plans need
     build = builder(family, 2, vocab, dim)
     with pytest.raises(UserError) as err:
         make_plan_for(build, request(family, limit=math.floor(need) - 1))
@@ -340,7 +347,7 @@ def test_infeasible_limit_names_the_smallest_footprint_and_the_threshold_holds(
                          [("llama", 1.3, None), ("llama", 4.0, None), ("gpt2", 2.0, 64), ("gpt2", 40.0, None)])
 def test_planned_peak_fits_the_limit(family: str, factor: float, global_batch: int | None) -> None:
     ctx = context(family)
-    need = simulate(ctx.profile, smallest_options(ctx, 4), 1, ctx.compute_bytes, ctx.optimizer).peak
+    need = osdp.smallest_footprint(ctx, request(family)).evaluation.peak_bytes
     limit = int(factor * need)
     result = make_plan_for(builder(family, 2), request(family, limit=limit, global_batch=global_batch))
     plan = result.plan
@@ -348,7 +355,8 @@ def test_planned_peak_fits_the_limit(family: str, factor: float, global_batch: i
     assert plan.predicted.peak_memory_bytes <= limit
     # the reported peak is the event timeline of the plan as written (recomputed from the plan's units)
     chosen = {u.name: Option.of(u) for u in plan.units}
-    peak = simulate(result.context.profile, chosen, plan.micro_batch_size, ctx.compute_bytes, ctx.optimizer).peak
+    peak = simulate(result.context.profile, chosen, plan.micro_batch_size, ctx.compute_bytes, ctx.optimizer,
+                    plan.grad_accum_steps).peak
     assert plan.predicted.peak_memory_bytes == int(peak)
     assert peak <= limit
     if global_batch is not None:

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from osdp_platform.split import SplitLinear, slice_sizes, split_linear_in, to_split_names
+from osdp_planners.split import SplitLinear, slice_sizes, split_linear_in, to_split_names
 
 IN_FEATURES = 12
 OUT_FEATURES = (12, 10, 7)  # divisible by 2, 3 and 4; 10 by 2 only; 7 by none
