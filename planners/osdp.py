@@ -17,6 +17,7 @@ from osdp_planners.plan import Baseline, Plan, Predicted, Strategy, UnitPlan
 from osdp_planners.request import PlanRequest
 from osdp_planners.search import Candidate, solve
 from osdp_planners.uniform import group_size, make_plan
+from osdp_planners.units import ROOT
 
 MAX_MICRO_BATCH = 1024
 GIB = 1024**3
@@ -53,7 +54,7 @@ def _splittable(ctx: Context, unit: str) -> bool:
 
 
 def _checkpointable(ctx: Context, unit: str) -> bool:
-    return unit in ctx.profile.by_unit
+    return unit in ctx.profile.by_unit and unit != ROOT  # the root is the whole model
 
 
 def _unit_key(ctx: Context, unit: str, batch: int, local: float) -> tuple[object, ...]:

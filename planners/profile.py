@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from osdp_planners.loss import lm_loss, logits_of
 from osdp_planners.recorder import POINTS, Recorder
-from osdp_planners.units import Unit, find_units
+from osdp_planners.units import ROOT, CallTrace, Unit, trace_calls, units_of
 
 PROFILE_BATCHES = (1, 2)
 
@@ -76,12 +76,13 @@ class ModelProfile:
         return {u.name: u.tensor_count for u in self.units}
 
 
-def _run_once(model: nn.Module, modules: dict[str, str], batch: int, seq_len: int, vocab: int
-              ) -> tuple[list[str], dict[str, dict[str, float]], float]:
-    """One forward+backward; returns execution order, per-module readings, and the loss-region peak."""
-    order: list[str] = []
-    handles = [model.get_submodule(p).register_forward_pre_hook(lambda _m, _a, p=p: order.append(p))
-               for p in modules]
+Entry = tuple[str, dict[str, float]]  # a module call: its path and readings
+
+
+def _run_once(model: nn.Module, modules: set[str], batch: int, seq_len: int, vocab: int, root: bool
+              ) -> tuple[list[Entry], float]:
+    """One forward+backward; returns one entry per unit-module call in execution order, and the
+    loss-region peak. With `root`, the root's own forward work comes first as an entry of no width."""
     # drop each gradient once accumulated: FSDP2 frees unsharded grads at every unit's post-backward,
     # so only the running unit's grads coexist with its backward activations, as here
     recorder = Recorder({model.get_submodule(p): p for p in modules}, model)
@@ -91,7 +92,7 @@ def _run_once(model: nn.Module, modules: dict[str, str], batch: int, seq_len: in
             recorder.forget(param.grad)
         param.grad = None
 
-    handles += [p.register_post_accumulate_grad_hook(drop_grad) for p in model.parameters()]
+    handles = [p.register_post_accumulate_grad_hook(drop_grad) for p in model.parameters()]
     x = torch.randint(0, vocab, (batch, seq_len))
     with recorder.active():
         logits = logits_of(model(x))
@@ -103,11 +104,11 @@ def _run_once(model: nn.Module, modules: dict[str, str], batch: int, seq_len: in
         loss.backward()
     for h in handles:
         h.remove()
-    readings = {}
-    for path in modules:
-        r = recorder.readings[path]
-        readings[path] = {**{k: r.values[k] for k in POINTS}, "output": r.output, "fwd_flops": r.flops}
-    return order, readings, float(max(before_loss, loss_level, recorder.regions["loss"]))
+    entries = [(path, {**{k: r.values[k] for k in POINTS}, "output": r.output, "fwd_flops": r.flops})
+               for path, r in recorder.calls]
+    if root:
+        entries.insert(0, ("", {**dict.fromkeys(POINTS, 0.0), "output": 0.0, "fwd_flops": recorder.outside.flops}))
+    return entries, float(max(before_loss, loss_level, recorder.regions["loss"]))
 
 
 KEEP_BLOCKS = 2
@@ -118,16 +119,29 @@ def _signature(block: nn.Module) -> tuple[tuple[str, tuple[int, ...]], ...]:
     return tuple((n, tuple(p.shape)) for n, p in block.named_parameters())
 
 
-def _truncate_repeats(model: nn.Module) -> tuple[str, int] | None:
+def _runs_in_order(list_path: str, n: int, trace: CallTrace, tracked: set[str]) -> bool:
+    """The blocks of the list run once each, in order, with no other unit module between them."""
+    prefix = f"{list_path}."
+    calls = [p for p in trace.sequence if p in tracked]
+    inside = [i for i, p in enumerate(calls) if p.startswith(prefix)]
+    if not inside or inside != list(range(inside[0], inside[-1] + 1)):
+        return False
+    blocks = [int(calls[i][len(prefix):].split(".")[0]) for i in inside]
+    mods = [calls[i] for i in inside]
+    return blocks == sorted(blocks) and len(set(mods)) == len(mods) and set(blocks) == set(range(n))
+
+
+def _truncate_repeats(model: nn.Module, trace: CallTrace, tracked: set[str]) -> tuple[str, int] | None:
     """Cut the longest list of identical blocks to KEEP_BLOCKS; the rest are extrapolated from them.
 
     Fake-tensor dispatch costs about a millisecond per op, so a 70B model would take minutes to
     trace; identical blocks record identical readings, shifted by the activations each one keeps.
+    Only lists whose blocks run once each, one after the other, are cut.
     """
     best: tuple[str, nn.ModuleList] | None = None
     for path, mod in model.named_modules():
         if (isinstance(mod, nn.ModuleList) and len(mod) > KEEP_BLOCKS and len({_signature(b) for b in mod}) == 1
-                and (best is None or len(mod) > len(best[1]))):
+                and (best is None or len(mod) > len(best[1])) and _runs_in_order(path, len(mod), trace, tracked)):
             best = (path, mod)
     if best is None:
         return None
@@ -137,8 +151,7 @@ def _truncate_repeats(model: nn.Module) -> tuple[str, int] | None:
     return path, len(blocks)
 
 
-def _expand(order: list[str], readings: dict[str, dict[str, float]], loss: float, blocks: tuple[str, int]
-            ) -> tuple[list[str], dict[str, dict[str, float]], float]:
+def _expand(entries: list[Entry], loss: float, blocks: tuple[str, int]) -> tuple[list[Entry], float]:
     """Readings of the full model from a run on its first KEEP_BLOCKS blocks (see _truncate_repeats)."""
     list_path, n = blocks
     prefix = f"{list_path}."
@@ -147,35 +160,29 @@ def _expand(order: list[str], readings: dict[str, dict[str, float]], loss: float
         return int(path[len(prefix):].split(".")[0]) if path.startswith(prefix) else None
 
     last = KEEP_BLOCKS - 1
-    per_block = sum(readings[p]["post_fw"] - readings[p]["pre_fw"] for p in order if index(p) == last)
-    last_pos = max(i for i, p in enumerate(order) if index(p) is not None)
-    out_order: list[str] = []
-    out: dict[str, dict[str, float]] = {}
+    per_block = sum(v["post_fw"] - v["pre_fw"] for p, v in entries if index(p) == last)
 
-    def emit(path: str, values: dict[str, float], shift: float) -> None:
-        out_order.append(path)
-        out[path] = {k: v + shift if k in _LEVELS else v for k, v in values.items()}
+    def shifted(values: dict[str, float], shift: float) -> dict[str, float]:
+        return {k: v + shift if k in _LEVELS else v for k, v in values.items()}
 
-    for pos, path in enumerate(order):
-        idx = index(path)
-        if idx is None:
-            emit(path, readings[path], (n - KEEP_BLOCKS) * per_block if pos > last_pos else 0.0)
-        elif idx < last:
-            emit(path, readings[path], 0.0)
-        else:
+    inside = [i for i, (p, _) in enumerate(entries) if index(p) is not None]
+    first, end = inside[0], inside[-1] + 1
+    out = entries[:first] + [e for e in entries[first:end] if (index(e[0]) or 0) < last]
+    repeated = [e for e in entries[first:end] if index(e[0]) == last]
+    for i in range(last, n):
+        for path, values in repeated:
             rest = path[len(prefix):].partition(".")[2]
-            for i in range(last, n):
-                emit(f"{prefix}{i}.{rest}" if rest else f"{prefix}{i}", readings[path], (i - last) * per_block)
-    order_full = sorted(out_order, key=lambda p: (
-        (index(p) if index(p) is not None else (n if out_order.index(p) > last_pos else -1)), out_order.index(p)))
-    return order_full, out, loss + (n - KEEP_BLOCKS) * per_block
+            out.append((f"{prefix}{i}.{rest}" if rest else f"{prefix}{i}", shifted(values, (i - last) * per_block)))
+    out += [(p, shifted(v, (n - KEEP_BLOCKS) * per_block)) for p, v in entries[end:]]
+    return out, loss + (n - KEEP_BLOCKS) * per_block
 
 
 def profile_model(build: Callable[[str], nn.Module], seq_len: int, vocab_size: int,
                   dtype: torch.dtype = torch.float32) -> ModelProfile:
     """Profile `build("cpu")` (constructed inside fake mode, so any size works) at two batch sizes.
 
-    `dtype` is the compute dtype: under bf16 mixed precision activations are bf16.
+    `dtype` is the compute dtype: under bf16 mixed precision activations are bf16. A module that
+    runs twice in the forward has an entry per call, so the cost model sees both.
     """
     runs = []
     default = torch.get_default_dtype()
@@ -185,22 +192,23 @@ def profile_model(build: Callable[[str], nn.Module], seq_len: int, vocab_size: i
             model = build("cpu")
         finally:
             torch.set_default_dtype(default)
-        units = find_units(model)
-        unit_of = {m: u.name for u in units for m in u.modules if m}
+        trace = trace_calls(model, seq_len, vocab_size)
+        units = units_of(model, trace)
+        unit_of = {m: u.name for u in units for m in u.modules}
         param_bytes = {u.name: 4 * u.param_count for u in units}
         linear_params = {u.name: [list(model.get_submodule(path).parameters()) for path in u.linears] for u in units}
         linear_bytes = {u: [4 * sum(p.numel() for p in ps) for ps in lin] for u, lin in linear_params.items()}
         linear_tensors = {u: [len(ps) for ps in lin] for u, lin in linear_params.items()}
-        blocks = _truncate_repeats(model)
+        tracked = {m for m in unit_of if m}
+        blocks = _truncate_repeats(model, trace, tracked)
         live = {path for path, _ in model.named_modules()}
-        modules = {m: u for m, u in unit_of.items() if m in live}
         for batch in PROFILE_BATCHES:
-            order, readings, loss = _run_once(model, modules, batch, seq_len, vocab_size)
-            runs.append(_expand(order, readings, loss, blocks) if blocks else (order, readings, loss))
-    (order, r1, loss1), (_, r2, loss2) = runs
+            entries, loss = _run_once(model, tracked & live, batch, seq_len, vocab_size, ROOT in param_bytes)
+            runs.append(_expand(entries, loss, blocks) if blocks else (entries, loss))
+    (entries1, loss1), (entries2, loss2) = runs
     b1, b2 = PROFILE_BATCHES
     profiles = [
-        ModuleProfile(path, unit_of[path], **{k: Linear1.fit(r1[path][k], r2[path][k], b1, b2) for k in r1[path]})
-        for path in dict.fromkeys(order)
+        ModuleProfile(path, unit_of[path], **{k: Linear1.fit(r1[k], r2[k], b1, b2) for k in r1})
+        for (path, r1), (_, r2) in zip(entries1, entries2, strict=True)
     ]
     return ModelProfile(units, profiles, param_bytes, linear_bytes, linear_tensors, Linear1.fit(loss1, loss2, b1, b2))
