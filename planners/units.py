@@ -1,6 +1,7 @@
 """Sharding units: the modules a plan assigns strategies to, found from any nn.Module.
 
-A unit is what one `fully_shard` call takes: one module, or a list of modules sharded as one group.
+A unit is what one `fully_shard` call takes: one module, or a list of modules sharded as one group
+(named by its modules joined with '+', siblings of the first written without their parent).
 Discovery runs the model's forward once on fake tensors (`trace_calls`: which modules run, how
 often, and which modules are active when each parameter is used) and walks the module tree:
 
@@ -17,6 +18,8 @@ often, and which modules are active when each parameter is used) and walks the m
   reaches a module outside every unit, or a unit whose parameter is used while none of its modules
   runs (`x @ self.embed.weight.T` in the parent's forward), is left to the root, which FSDP2 keeps
   gathered through the whole forward and backward.
+- A module whose output hides its tensors from pytree (a plain object) is not a unit: FSDP2 hooks a
+  unit's backward on its output tensors.
 - Each FSDP2 unit costs Python time in every step, so a block's child holding only vectors (a norm)
   joins the sibling that runs right after it (or before it, when it runs last): an HF decoder layer
   makes two units, not four. Outside blocks such a holder stays with the root. A unit of several
@@ -36,7 +39,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+)
 from torch.func import functional_call
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -68,6 +75,7 @@ class CallTrace:
     sequence: list[str] = field(default_factory=list)  # module paths in the order their forwards started
     first: dict[str, int] = field(default_factory=dict)  # module path -> position of its first call
     uses: dict[str, set[tuple[str, ...]]] = field(default_factory=dict)  # parameter -> active module paths
+    opaque: set[str] = field(default_factory=set)  # modules whose output shows pytree no tensor
 
     def runs(self, path: str) -> bool:
         return self.calls.get(path, 0) > 0
@@ -131,8 +139,10 @@ def trace_calls(model: nn.Module, seq_len: int, vocab_size: int | None = None) -
         trace.first.setdefault(path, len(trace.sequence))
         trace.sequence.append(path)
 
-    def post(_module: nn.Module, _args: Any, _out: Any) -> None:
-        stack.pop()
+    def post(_module: nn.Module, _args: Any, out: Any) -> None:
+        path = stack.pop()
+        if not any(isinstance(t, torch.Tensor) for t in tree_leaves(out)):
+            trace.opaque.add(path)
 
     device = _trace_device(model)
     mode = detect_fake_mode() or FakeTensorMode(allow_non_fake_inputs=True)
@@ -149,6 +159,8 @@ def trace_calls(model: nn.Module, seq_len: int, vocab_size: int | None = None) -
             except Exception as exc:  # the user's forward: name the module it failed in
                 where = stack[-1] if stack else ""
                 text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+                if isinstance(exc, DataDependentOutputException | DynamicOutputShapeException):
+                    text += ": it reads a tensor's value, which the planner's fake tensors do not have"
                 raise _fail(model, where, f"forward raised {type(exc).__name__}: {text} (planner tracing "
                                           f"forward(tokens [{TRACE_BATCH}, {seq_len}]) on fake tensors)") from exc
             try:
@@ -304,6 +316,10 @@ class _Assignment:
                     self.groups[gi] = []
             self._compact()
 
+    def hookable(self, group: list[_Candidate]) -> bool:
+        """FSDP2 hooks a unit's backward on the tensors of its output."""
+        return not any(c.path in self.trace.opaque for c in group)
+
     def runs_once_each(self, group: list[_Candidate]) -> bool:
         return all(self.trace.calls.get(c.path, 0) == 1 for c in group)
 
@@ -318,7 +334,8 @@ class _Assignment:
             self.merge_ties()
             owned = self.owned()
             bad = [gi for gi, g in enumerate(self.groups)
-                   if not owned[gi] or self.used_outside(g, owned[gi]) or (len(g) > 1 and not self.runs_once_each(g))
+                   if not owned[gi] or not self.hookable(g) or self.used_outside(g, owned[gi])
+                   or (len(g) > 1 and not self.runs_once_each(g))
                    or (len(g) == 1 and g[0].block is None and _vectors_only(owned[gi]))]
             if not bad:
                 return
@@ -359,13 +376,20 @@ def units_of(model: nn.Module, trace: CallTrace) -> list[Unit]:
     for gi in order:
         mods = [c.path for c in sorted(assignment.groups[gi], key=lambda c: c.index)]
         params = owned[gi]
-        units.append(Unit("+".join(mods), tuple(mods), sum(p.numel() for p in params),
+        units.append(Unit(_unit_name(mods), tuple(mods), sum(p.numel() for p in params),
                           _splittable(model, trace, mods, {id(p) for p in params}, assignment), len(params)))
     claimed = {id(p) for ps in owned for p in ps}
     leftover = [p for p in model.parameters() if id(p) not in claimed]
     if leftover:
         units.append(Unit(ROOT, ("",), sum(p.numel() for p in leftover), (), len(leftover)))
     return units
+
+
+def _unit_name(mods: list[str]) -> str:
+    """The modules joined by '+', siblings of the first without their common parent: `h.0.ln_1+attn`."""
+    parent = mods[0].rpartition(".")[0]
+    rest = [m[len(parent) + 1:] if parent and m.rpartition(".")[0] == parent else m for m in mods[1:]]
+    return "+".join([mods[0], *rest])
 
 
 def _splittable(model: nn.Module, trace: CallTrace, mods: list[str], owned: set[int],

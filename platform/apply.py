@@ -3,6 +3,8 @@
 Every strategy is one `fully_shard` call with its own mesh and resharding setting:
 ZeRO-3 = 1-D mesh over all ranks, reshard after forward; ZeRO-2-like = same mesh, keep gathered;
 HSDP(g) = 2-D mesh (world/g replicas x g shards), reshard; DP = 2-D mesh (world x 1), keep gathered.
+The root takes every parameter no unit claimed; its strategy sets its mesh, and it stays gathered
+from forward to backward whatever the strategy, as FSDP2 does by default for the root.
 """
 
 from dataclasses import dataclass
@@ -89,9 +91,10 @@ def apply_plan(model: nn.Module, plan: Plan, device_type: str, meshes: Meshes | 
                 checkpoint(module)
         if _unsharded(modules):
             fully_shard(modules if len(modules) > 1 else modules[0], **kwargs)
+    # the root stays gathered from its forward to its backward whatever its strategy (FSDP2's default):
+    # its backward all-gather would hang on the model's output, which a user's output object can hide
     root_g = root_unit.shard_group_size if root_unit else plan.world_size
-    fully_shard(model, mesh=meshes.for_group(root_g),
-                reshard_after_forward=_reshard(root_unit) if root_unit else False, mp_policy=mp)
+    fully_shard(model, mesh=meshes.for_group(root_g), reshard_after_forward=False, mp_policy=mp)
     verify_applied(model, plan, linears)
     return meshes
 
@@ -101,7 +104,8 @@ def _unsharded(modules: list[nn.Module]) -> list[nn.Parameter]:
     return [p for m in modules for p in m.parameters() if not isinstance(p, DTensor)]
 
 
-def _check_sharding(module: nn.Module, unit: UnitPlan, world_size: int, what: str) -> None:
+def _check_sharding(module: nn.Module, unit: UnitPlan, world_size: int, what: str, reshard: bool | None = None
+                    ) -> None:
     if not isinstance(module, FSDPModule):
         raise PlanMismatch(f"{what} is not sharded by FSDP2")
     group = module._get_fsdp_state()._fsdp_param_group
@@ -113,7 +117,7 @@ def _check_sharding(module: nn.Module, unit: UnitPlan, world_size: int, what: st
     if (shard, replicate) != (unit.shard_group_size, world_size // unit.shard_group_size):
         raise PlanMismatch(f"{what}: mesh shards over {shard} x replicates {replicate}, plan says "
                            f"{unit.strategy} with group {unit.shard_group_size}")
-    if (group.post_forward_mesh_info is not None) != _reshard(unit):
+    if (group.post_forward_mesh_info is not None) != (_reshard(unit) if reshard is None else reshard):
         raise PlanMismatch(f"{what}: reshard_after_forward does not match strategy {unit.strategy}")
 
 
@@ -130,7 +134,7 @@ def verify_applied(model: nn.Module, plan: Plan, linears: dict[str, tuple[str, .
         if unit.modules == [""]:
             if unit.checkpoint or unit.split > 1:
                 raise PlanMismatch("the root unit can be neither checkpointed nor split: re-plan")
-            _check_sharding(model, unit, plan.world_size, "the root")
+            _check_sharding(model, unit, plan.world_size, "the root", reshard=False)
             continue
         modules = [model.get_submodule(path) for path in unit.modules]
         emptied = unit.split > 1 and not isinstance(modules[0], FSDPModule) and all(map(_held_inside, modules))

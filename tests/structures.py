@@ -257,6 +257,71 @@ class HFLike(nn.Module):
         return CausalLMOutput(self.lm_head(self.model(tokens)))
 
 
+class LinearBlock(nn.Module):
+    """A block whose units hold nothing but Linears (its norm has no parameters)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.mix = nn.Linear(dim, dim)
+        self.mlp = GatedMLP(dim, 3 * dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.mix(F.rms_norm(x, (x.shape[-1],)))
+        return x + self.mlp(F.rms_norm(x, (x.shape[-1],)))
+
+
+class PlainLinears(nn.Module):
+    def __init__(self, dim: int = 30) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.blocks = nn.ModuleList(LinearBlock(dim) for _ in range(2))
+        self.head = nn.Linear(dim, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class Boxed:
+    """A plain object around a tensor: pytree cannot open it."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+
+class BoxedMLP(MLP):
+    def forward(self, x: torch.Tensor) -> Boxed:  # type: ignore[override]
+        return Boxed(super().forward(x))
+
+
+class BoxBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.mlp = BoxedMLP(dim, 2 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(self.mlp(x).value)
+
+
+class OpaqueOutput(nn.Module):
+    """A block's child returns its tensor inside a plain object, where FSDP2 cannot hook its backward."""
+
+    def __init__(self, dim: int = 22) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.blocks = nn.ModuleList(BoxBlock(dim) for _ in range(2))
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
 STRUCTURES = {
     "moduledict_gpt": ModuleDictGPT,
     "nested_sequential": NestedSequential,
@@ -265,4 +330,43 @@ STRUCTURES = {
     "tied_across": TiedAcross,
     "reused_block": ReusedBlock,
     "hf_like": HFLike,
+    "plain_linears": PlainLinears,
+    "opaque_output": OpaqueOutput,
 }
+
+
+class ValueGate(nn.Module):
+    """Branches on a tensor's value, which no fake tensor has."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) if x.sum() > 0 else x
+
+
+class ValueBranch(nn.Module):
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.blocks = nn.ModuleList([Residual(dim), ValueGate(dim)])
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class SmallVocab(nn.Module):
+    """Logits over 100 tokens, while the data's bytes go up to 255."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(256, 16)
+        self.head = nn.Linear(16, 100)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(tokens))
