@@ -1,5 +1,6 @@
 """OSDP planners: decide per sharding unit how its parameters are held, and the batch size."""
 
+import os
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -100,7 +101,9 @@ def make_plan_for(build: Builder, req: PlanRequest, measure_on: str | None = Non
 
 
 def _planning_failed(req: PlanRequest, exc: Exception) -> UserError:
-    frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+    """The innermost frame outside torch says where: the model's code, or the planner's."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    frame = next((f for f in reversed(frames) if f"{os.sep}torch{os.sep}" not in f.filename), None)
     where = f" at {Path(frame.filename).name}:{frame.lineno} ({frame.name})" if frame else ""
     text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
     return UserError("model", req.model_label, f"the planner could not plan this model: {type(exc).__name__}: "

@@ -127,6 +127,7 @@ def _fail(model: nn.Module, path: str, problem: str) -> UserError:
 def trace_calls(model: nn.Module, seq_len: int, vocab_size: int | None = None) -> CallTrace:
     """Run `model` once on fake tensors of its parameters' shapes; the model itself is left untouched.
 
+    Grad mode stays as training has it: some modules take another path without grad (fused kernels).
     `vocab_size`, when given, is the token range of the data: the logits must cover it.
     """
     paths = {id(m): p for p, m in model.named_modules()}
@@ -148,8 +149,8 @@ def trace_calls(model: nn.Module, seq_len: int, vocab_size: int | None = None) -
     mode = detect_fake_mode() or FakeTensorMode(allow_non_fake_inputs=True)
     handles = [h for m in model.modules() for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
     try:
-        with _restored(model), torch.random.fork_rng(devices=[]), torch.no_grad(), mode:
-            fakes = {n: torch.empty(t.shape, dtype=t.dtype, device=device)
+        with _restored(model), torch.random.fork_rng(devices=[]), mode:
+            fakes = {n: torch.empty(t.shape, dtype=t.dtype, device=device, requires_grad=t.requires_grad)
                      for n, t in [*model.named_parameters(), *model.named_buffers()]}
             names = {id(fakes[n]): n for n, _ in model.named_parameters()}
             tokens = torch.zeros(TRACE_BATCH, seq_len, dtype=torch.long, device=device)

@@ -7,6 +7,7 @@ whole global batch. SGD, because it passes a gradient's scale straight into the 
 unit gathered twice and reduced twice must still sum to the right gradient).
 """
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -266,6 +267,18 @@ def test_a_failure_anywhere_in_planning_is_one_user_error() -> None:
     with pytest.raises(UserError, match="cannot allocate the table") as info:
         make_plan_for(build, plan_request(_recipe("plain_linears")), measure_on=None)
     assert info.value.field == "model" and "test_any_model.py" in info.value.problem
+
+
+def test_a_manual_plan_naming_other_units_is_refused(tmp_path: Path) -> None:
+    recipe = _recipe("plain_linears")
+    plan = _plan("plain_linears", "zero3")
+    merged = plan.units[0].model_copy(update={"name": "embed+blocks.0.mix", "modules": ["embed", "blocks.0.mix"]})
+    edited = tmp_path / "edited.json"
+    edited.write_text(plan.model_copy(update={"units": [merged, *plan.units[2:]]}).to_json())
+    req = dataclasses.replace(plan_request(recipe), planner="manual", plan_file=str(edited))
+    with pytest.raises(UserError, match="this model's units are") as info:
+        make_plan_for(lambda dev: build_model(recipe.model, dev), req, measure_on=None)
+    assert info.value.field == "planner.plan_file"
 
 
 def test_the_example_model_recipe_plans(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
