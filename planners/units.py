@@ -266,30 +266,41 @@ class _Walk:
 
 
 class _Assignment:
-    """Groups of candidates (the units to be) and the parameters each holds."""
+    """Groups of candidates (the units to be) and the parameters each holds.
+
+    As FSDP2 does, a unit takes every parameter registered on a module below it, unless a unit
+    nested inside takes it first; a parameter registered on modules under two units (a tie, or a
+    module shared by two blocks) ties those units; one also registered outside every unit belongs
+    to the root.
+    """
 
     def __init__(self, model: nn.Module, trace: CallTrace, candidates: list[_Candidate]) -> None:
         self.trace = trace
-        self.aliases: dict[int, list[str]] = {}  # parameter -> every name it has
+        modules = dict(model.named_modules(remove_duplicate=False))
+        self.registered: dict[int, list[nn.Module]] = {}  # parameter -> the modules registering it
         for name, p in model.named_parameters(remove_duplicate=False):
-            self.aliases.setdefault(id(p), []).append(name)
+            self.registered.setdefault(id(p), []).append(modules[name.rpartition(".")[0]])
         self.params = {id(p): p for p in model.parameters()}
         self.canonical = {id(p): n for n, p in model.named_parameters()}
+        self.below = {c.path: {id(m) for m in model.get_submodule(c.path).modules()} for c in candidates}
+        self.top = {c.path: id(model.get_submodule(c.path)) for c in candidates}
         self.groups: list[list[_Candidate]] = [[c] for c in candidates]
 
     def holders(self) -> dict[int, set[int | None]]:
-        """Per parameter, the groups of the innermost candidates holding each of its names (None: no unit)."""
-        where = {c.path: gi for gi, g in enumerate(self.groups) for c in g}
+        """Per parameter, the groups of the innermost units above each module registering it (None: none)."""
+        alive = [(gi, c.path) for gi, g in enumerate(self.groups) for c in g]
 
-        def holder(name: str) -> int | None:
-            parts = name.split(".")[:-1]
-            for k in range(len(parts), 0, -1):
-                gi = where.get(".".join(parts[:k]))
-                if gi is not None:
-                    return gi
-            return None
+        def holder(module: nn.Module) -> set[int | None]:
+            above = [(gi, path) for gi, path in alive if id(module) in self.below[path]]
+            inner = {gi for gi, path in above
+                     if not any(other != path and self.top[other] in self.below[path] for _, other in above)}
+            return set(inner) if inner else {None}
 
-        return {pid: {holder(n) for n in names} for pid, names in self.aliases.items()}
+        cache: dict[int, set[int | None]] = {}
+        out = {}
+        for pid, mods in self.registered.items():
+            out[pid] = set().union(*(cache.setdefault(id(m), holder(m)) for m in mods))
+        return out
 
     def owned(self) -> list[list[nn.Parameter]]:
         out: list[list[nn.Parameter]] = [[] for _ in self.groups]
@@ -403,7 +414,7 @@ def _splittable(model: nn.Module, trace: CallTrace, mods: list[str], owned: set[
             if type(sub) is not nn.Linear or not trace.runs(path):
                 continue
             tensors = [t for t in (sub.weight, sub.bias) if t is not None]
-            if any(id(t) not in owned or len(assignment.aliases[id(t)]) > 1 for t in tensors):
+            if any(id(t) not in owned or len(assignment.registered[id(t)]) > 1 for t in tensors):
                 continue
             if all(path in stack for t in tensors for stack in trace.uses.get(assignment.canonical[id(t)], ())):
                 out.append(path)

@@ -183,19 +183,21 @@ class TwiceMLP(nn.Module):
 
 
 class ReusedBlock(nn.Module):
-    """The first block runs again after the last, and a block calls its Linear twice."""
+    """The first block runs again after the last, under a second name (one module registered twice),
+    and a block calls its Linear twice."""
 
     def __init__(self, dim: int = 30) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, dim)
         self.blocks = nn.ModuleList([Block(dim), TwiceMLP(dim)])
+        self.again = self.blocks[0]
         self.head = nn.Linear(dim, VOCAB)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.blocks[0](x))
+        return self.head(self.again(x))
 
 
 class GatedMLP(nn.Module):
