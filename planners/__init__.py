@@ -19,7 +19,8 @@ from osdp_planners.profile import ModelProfile, profile_model
 from osdp_planners.request import PlanRequest
 from osdp_planners.time_model import Topology
 from osdp_planners.timing import MeasuredTimes, measure_times
-from osdp_planners.units import MODEL_CONTRACT, structure_hash
+from osdp_planners.trace import MODEL_CONTRACT
+from osdp_planners.units import structure_hash
 
 __all__ = ["Plan", "PlanRequest", "PlanResult", "make_plan_for"]
 

@@ -17,7 +17,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from osdp_planners.loss import lm_loss, logits_of
 from osdp_planners.recorder import POINTS, Recorder
-from osdp_planners.units import ROOT, CallTrace, Unit, trace_calls, units_of
+from osdp_planners.trace import ROOT, CallTrace, trace_calls
+from osdp_planners.units import Unit, units_of
 
 PROFILE_BATCHES = (1, 2)
 
