@@ -1,13 +1,16 @@
 """OSDP planners: decide per sharding unit how its parameters are held, and the batch size."""
 
+import os
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from osdp_planners.comm_profile import CommProfile, cached_comm
-from osdp_planners.errors import UserError
+from osdp_planners.errors import UserError, UserErrors
 from osdp_planners.evaluate import Context
 from osdp_planners.model_probe import calibrate, measure_on_ranks
 from osdp_planners.osdp import Choice, best_uniform, infeasible, search_osdp, to_plan
@@ -16,6 +19,7 @@ from osdp_planners.profile import ModelProfile, profile_model
 from osdp_planners.request import PlanRequest
 from osdp_planners.time_model import Topology
 from osdp_planners.timing import MeasuredTimes, measure_times
+from osdp_planners.trace import MODEL_CONTRACT
 from osdp_planners.units import structure_hash
 
 __all__ = ["Plan", "PlanRequest", "PlanResult", "make_plan_for"]
@@ -43,9 +47,7 @@ def build_context(build: Builder, req: PlanRequest, measure_on: str | None) -> C
     measured: MeasuredTimes | None = None
     comm: CommProfile | None = None
     if measure_on is not None:
-        flops: dict[str, float] = {}
-        for m in profile.modules:
-            flops[m.unit] = flops.get(m.unit, 0.0) + m.fwd_flops.at(1)
+        flops = {u.name: profile.forward_flops(u.name, 1) for u in profile.units}
         if measure_on == "cpu":
             ranks = min(req.world_size, req.workers_per_node)
             key = f"{req.model_label}|{structure_hash(build('meta'))}|{dtype}"
@@ -74,13 +76,41 @@ def _manual(model: nn.Module, req: PlanRequest, ctx: Context) -> Choice:
     if plan.world_size != req.world_size:
         raise UserError("planner.plan_file", req.plan_file, f"is for {plan.world_size} workers, the pool has "
                             f"{req.world_size}", "match hardware.nodes x workers_per_node to the plan")
+    units = [u.name for u in ctx.profile.units]
+    if sorted(u.name for u in plan.units) != sorted(units):
+        raise UserError("planner.plan_file", req.plan_file, f"names units {[u.name for u in plan.units]}, this "
+                        f"model's units are {units}", "start the file from a plan made for this model")
     options = {u.name: Option.of(u) for u in plan.units}
     return Choice(options, plan.micro_batch_size, plan.grad_accum_steps,
                   evaluate(ctx, options, plan.micro_batch_size, plan.grad_accum_steps))
 
 
 def make_plan_for(build: Builder, req: PlanRequest, measure_on: str | None = None) -> PlanResult:
-    """The plan `req.planner` makes for the model `build(device)` returns (here on meta and fake tensors)."""
+    """The plan `req.planner` makes for the model `build(device)` returns (here on meta and fake tensors).
+
+    Whatever fails while planning a model reaches the caller as one UserError (the module, what
+    failed, the fix): a user's model is no reason for a traceback.
+    """
+    try:
+        return _make_plan(build, req, measure_on)
+    except (UserError, UserErrors):
+        raise
+    except Exception as exc:
+        raise _planning_failed(req, exc) from exc
+
+
+def _planning_failed(req: PlanRequest, exc: Exception) -> UserError:
+    """The innermost frame outside torch says where: the model's code, or the planner's."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    frame = next((f for f in reversed(frames) if f"{os.sep}torch{os.sep}" not in f.filename), None)
+    where = f" at {Path(frame.filename).name}:{frame.lineno} ({frame.name})" if frame else ""
+    text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+    return UserError("model", req.model_label, f"the planner could not plan this model: {type(exc).__name__}: "
+                     f"{text}{where}", f"{MODEL_CONTRACT}. If the model satisfies that, report this with the "
+                     "model to the platform's maintainers")
+
+
+def _make_plan(build: Builder, req: PlanRequest, measure_on: str | None) -> PlanResult:
     model = build("meta")
     ctx = build_context(build, req, measure_on)
     if req.planner == "osdp":

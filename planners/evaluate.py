@@ -103,14 +103,14 @@ class Bound:
         out = {}
         for u, mods in p.by_unit.items():
             lins = tuple((lin.param_bytes, lin.out_features, next(i for i, m in enumerate(mods)
-                                                                  if lin.path.startswith(f"{m.path}.")))
+                                                                  if lin.within(m.path)))
                          for lin in p.linears.get(u, []))
             out[u] = (p.param_bytes[u], lins, tuple(tuple(sorted(m.variants.items(), key=lambda kv: (
                 kv[0].split, kv[0].checkpoint))) for m in mods))
         return out
 
     def signature(self, unit: str) -> tuple[object, ...]:
-        return self._signatures[unit]
+        return self._signatures.get(unit, (unit,))  # the root runs no module of its own: it is unique
 
     def add_neighbour_buffers(self, options: dict[str, list[Option]]) -> None:
         """The most each unit's buffers can add at other units' events, over the options it may take."""

@@ -80,29 +80,29 @@ class Layout:
         mods = profile.modules
         first = {}
         for m in mods:
-            first.setdefault(m.unit, m.path)
-        last = {m.unit: m.path for m in mods}
+            first.setdefault(m.unit, m.key)
+        last = {m.unit: m.key for m in mods}
         events: list[Event] = []
         gather: dict[str, int] = {}
         forward: dict[str, dict[str, int]] = {}
         for m in mods:
-            if m.path == first[m.unit]:
+            if m.key == first[m.unit]:
                 gather[m.unit] = len(events)
                 events.append(Event(f"{m.unit} all-gather", m.unit))
-            forward.setdefault(m.unit, {})[m.path] = len(events)
-            events.append(Event(f"{m.path} forward", m.unit))
+            forward.setdefault(m.unit, {})[m.key] = len(events)
+            events.append(Event(f"{m.key} forward", m.unit))
         loss = len(events)
         events.append(Event("loss", None))
         bw_gather: dict[str, int] = {}
         backward: dict[str, dict[str, int]] = {}
         reduce: dict[str, int] = {}
         for m in reversed(mods):
-            if m.path == last[m.unit]:
+            if m.key == last[m.unit]:
                 bw_gather[m.unit] = len(events)
                 events.append(Event(f"{m.unit} backward gather", m.unit))
-            backward.setdefault(m.unit, {})[m.path] = len(events)
-            events.append(Event(f"{m.path} backward", m.unit))
-            if m.path == first[m.unit]:
+            backward.setdefault(m.unit, {})[m.key] = len(events)
+            events.append(Event(f"{m.key} backward", m.unit))
+            if m.key == first[m.unit]:
                 reduce[m.unit] = len(events)
                 events.append(Event(f"{m.unit} reduce-scatter", m.unit))
         optimizer = len(events)
@@ -165,7 +165,7 @@ def footprint(profile: ModelProfile, layout: Layout, unit: str, opt: Option, s: 
     start, end = 0, 2 * len(ev.anchors)
     mods: list[ModuleProfile] = profile.by_unit[unit]
     v = variant_of(profile, unit, opt)
-    acts = {m.path: m.variants[v] for m in mods}
+    acts = {m.key: m.variants[v] for m in mods}
     b = s.batch
     g = opt.group
     ratio = s.compute_bytes / 4
@@ -174,8 +174,8 @@ def footprint(profile: ModelProfile, layout: Layout, unit: str, opt: Option, s: 
     split = v.split > 1
     rest = full - sum(lin.param_bytes for lin in linears) if split else full
     piece = max((lin.slice_bytes(v.split) for lin in linears), default=0.0) if split else 0.0
-    split_modules = {m.path for m in mods if split and any(lin.path.startswith(f"{m.path}.") for lin in linears)}
-    first, last = mods[0].path, mods[-1].path
+    split_modules = {m.key for m in mods if split and any(lin.within(m.path) for lin in linears)}
+    first, last = mods[0].key, mods[-1].key
     reshards = opt.strategy in (Strategy.ZERO3, Strategy.HSDP)
     sharded = g > 1
     segs: list[tuple[int, int, float]] = []
@@ -189,16 +189,16 @@ def footprint(profile: ModelProfile, layout: Layout, unit: str, opt: Option, s: 
     add(start, end, shard * (1 + s.opt_states))
     add(start if s.accum > 1 else reduce, end, shard)
     for m in mods:
-        fw, bw = slot[ev.forward[m.path]], slot[ev.backward[m.path]]
-        add(fw + 1, reduce if m.path == first else bw, acts[m.path].keep.at(b))
-        add(fw, fw, acts[m.path].fw_peak.at(b))
-        add(bw, bw, acts[m.path].bw_peak.at(b))
-        if m.path in split_modules:
+        fw, bw = slot[ev.forward[m.key]], slot[ev.backward[m.key]]
+        add(fw + 1, reduce if m.key == first else bw, acts[m.key].keep.at(b))
+        add(fw, fw, acts[m.key].fw_peak.at(b))
+        add(bw, bw, acts[m.key].bw_peak.at(b))
+        if m.key in split_modules:
             # one slice gathered at a time under ZeRO-3/HSDP (all of them stay under DP/ZeRO-2, counted
             # below), with its all-gather output and the one before it; in backward the next slice's
             # prefetched all-gather output. A checkpointed unit's recomputation gathers its slices and
             # FSDP2 keeps each until its own backward: then all of them are held.
-            recomputed = sum(lin.param_bytes for lin in linears if lin.path.startswith(f"{m.path}."))
+            recomputed = sum(lin.param_bytes for lin in linears if lin.within(m.path))
             held = recomputed if v.checkpoint else piece
             add(fw, fw, piece * ratio * (reshards + 2 * sharded))
             add(bw, bw, (held * reshards + piece * sharded) * ratio)
@@ -212,7 +212,7 @@ def footprint(profile: ModelProfile, layout: Layout, unit: str, opt: Option, s: 
         add(slot[ev.gather], slot[ev.gather], rest * ratio)
         if not split:
             for m in mods:
-                add(slot[ev.forward[m.path]], slot[ev.forward[m.path]], full * ratio)
+                add(slot[ev.forward[m.key]], slot[ev.forward[m.key]], full * ratio)
         if reshards:
             add(slot[ev.backward_gather], slot[ev.backward_gather], rest * ratio)
     last_gather = (piece if split_modules else rest) * ratio if sharded else 0.0
@@ -235,10 +235,10 @@ def base_levels(profile: ModelProfile, layout: Layout, s: Settings) -> np.ndarra
     for m in profile.modules:
         ev = layout.units[m.unit]
         extra = m.extra.at(s.batch)
-        base[ev.backward[m.path]] += extra
-        if m.path == profile.by_unit[m.unit][-1].path:
+        base[ev.backward[m.key]] += extra
+        if m.key == profile.by_unit[m.unit][-1].key:
             base[ev.backward_gather] += extra
-        if m.path == profile.by_unit[m.unit][0].path:
+        if m.key == profile.by_unit[m.unit][0].key:
             base[ev.reduce] += extra
     base[layout.loss] += profile.loss.at(s.batch)
     if not s.gpu:

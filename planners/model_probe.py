@@ -50,7 +50,8 @@ def _overheads(plain: nn.Module, build: Callable[[str], nn.Module], seq_len: int
     out: dict[str, dict[str, float]] = {"step_added_s": {}, "optimizer_added_s": {}}
     for strategy in STRATEGIES:
         sharded = build("cpu")
-        units = [[sharded.get_submodule(m) for m in u.modules] for u in find_units(sharded) if u.name != ROOT]
+        units = [[sharded.get_submodule(m) for m in u.modules] for u in find_units(sharded, seq_len)
+                 if u.name != ROOT]
         shard_uniform(sharded, units, strategy, meshes)
         step, opt = added_seconds(plain, sharded, lambda m: forward_loss(m, x).backward())
         out["step_added_s"][strategy], out["optimizer_added_s"][strategy] = step, opt

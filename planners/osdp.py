@@ -16,6 +16,7 @@ from osdp_planners.plan import Baseline, Plan, Predicted, Strategy, UnitPlan
 from osdp_planners.request import PlanRequest
 from osdp_planners.search import Candidate, least_bound, solve
 from osdp_planners.uniform import group_size, make_plan
+from osdp_planners.units import ROOT
 
 MAX_MICRO_BATCH = 1024
 GIB = 1024**3
@@ -52,7 +53,7 @@ def _splittable(ctx: Context, unit: str) -> bool:
 
 
 def _checkpointable(ctx: Context, unit: str) -> bool:
-    return unit in ctx.profile.by_unit
+    return unit in ctx.profile.by_unit and unit != ROOT  # the root is the whole model
 
 
 def _time_key(ctx: Context, bound: Bound, unit: str) -> tuple[object, ...]:

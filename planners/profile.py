@@ -35,7 +35,8 @@ from osdp_planners.loss import lm_loss, logits_of
 from osdp_planners.options import SPLITS
 from osdp_planners.recorder import Recorder
 from osdp_planners.split import SplitLinear, split_linear_in
-from osdp_planners.units import ROOT, Unit, find_units
+from osdp_planners.trace import ROOT, CallTrace, trace_calls
+from osdp_planners.units import Unit, units_of
 
 PROFILE_BATCHES = (2, 4)
 KEEP_BLOCKS = 2
@@ -134,6 +135,9 @@ class Activations:
 
 @dataclass(frozen=True)
 class ModuleProfile:
+    """One forward call of a unit's module: a module run twice has two, told apart by `key`."""
+
+    key: str  # recorder.call_key: the path, or path#k for its k-th call
     path: str
     unit: str
     variants: dict[Variant, Activations]
@@ -150,6 +154,10 @@ class LinearShape:
     out_features: int
     tensors: int
 
+    def within(self, module: str) -> bool:
+        """The Linear is the module at `module`, or inside it."""
+        return self.path == module or self.path.startswith(f"{module}.")
+
     def slice_bytes(self, k: int) -> float:
         """Bytes of the widest of its k slices (slices differ by at most one row)."""
         return self.param_bytes / self.out_features * -(-self.out_features // k)
@@ -164,6 +172,7 @@ class ModelProfile:
     largest_param_bytes: int  # fp32 bytes of the largest parameter tensor (optimizer temporaries)
     prefix: Linear1
     loss: Peak
+    outside_flops: Linear1  # the model's forward outside every unit module (the root unit's work)
 
     @cached_property
     def by_unit(self) -> dict[str, list[ModuleProfile]]:
@@ -172,6 +181,11 @@ class ModelProfile:
         for m in self.modules:
             out.setdefault(m.unit, []).append(m)
         return out
+
+    def forward_flops(self, unit: str, batch: int) -> float:
+        """A unit's forward FLOPs at a micro batch; the root also does the work outside every unit."""
+        flops = sum(m.fwd_flops.at(batch) for m in self.by_unit.get(unit, []))
+        return flops + (self.outside_flops.at(batch) if unit == ROOT else 0.0)
 
     @cached_property
     def tensor_count(self) -> dict[str, int]:
@@ -195,6 +209,7 @@ class _Run:
     levels: dict[str, dict[str, float]]
     spans: dict[str, dict[str, tuple[int, int]]]
     flops: dict[str, float]
+    outside_flops: float
     trace: list[float]
     ops: list[str]
     end_of_forward: float
@@ -230,9 +245,6 @@ def _grad_groups(model: nn.Module, units: list[Unit]) -> tuple[dict[nn.Module, l
 
 def _run_once(model: nn.Module, units: list[Unit], modules: dict[str, str], batch: int, seq_len: int,
               vocab: int) -> _Run:
-    order: list[str] = []
-    handles = [model.get_submodule(p).register_forward_pre_hook(
-        lambda _m, _a, p=p: None if p in order else order.append(p)) for p in modules]
     groups, slices = _grad_groups(model, units)
     recorder = Recorder({model.get_submodule(p): p for p in modules}, model, groups)
 
@@ -241,7 +253,7 @@ def _run_once(model: nn.Module, units: list[Unit], modules: dict[str, str], batc
             recorder.forget(param.grad)
         param.grad = None
 
-    handles += [p.register_post_accumulate_grad_hook(reduced) for p in slices]
+    handles = [p.register_post_accumulate_grad_hook(reduced) for p in slices]
     x = torch.randint(0, vocab, (batch, seq_len))
     with recorder.active():
         logits = logits_of(model(x))
@@ -252,27 +264,39 @@ def _run_once(model: nn.Module, units: list[Unit], modules: dict[str, str], batc
         loss.backward()
     for h in handles:
         h.remove()
-    levels = {p: dict(recorder.readings[p].values) for p in modules}
-    spans = {p: dict(recorder.readings[p].spans) for p in modules}
-    flops = {p: recorder.readings[p].flops for p in modules}
-    return _Run(order, levels, spans, flops, recorder.trace, recorder.ops, float(end_of_forward),
-                recorder.regions["loss"])
+    readings = recorder.readings
+    return _Run(recorder.order, {k: dict(r.values) for k, r in readings.items()},
+                {k: dict(r.spans) for k, r in readings.items()}, {k: r.flops for k, r in readings.items()},
+                recorder.outside.flops, recorder.trace, recorder.ops, float(end_of_forward), recorder.regions["loss"])
 
 
 def _signature(block: nn.Module) -> tuple[tuple[str, tuple[int, ...]], ...]:
     return tuple((n, tuple(p.shape)) for n, p in block.named_parameters())
 
 
-def _truncate_repeats(model: nn.Module) -> tuple[str, int] | None:
+def _runs_in_order(list_path: str, n: int, trace: CallTrace, tracked: set[str]) -> bool:
+    """The blocks of the list run once each, in order, with no other unit module between them."""
+    prefix = f"{list_path}."
+    calls = [p for p in trace.sequence if p in tracked]
+    inside = [i for i, p in enumerate(calls) if p.startswith(prefix)]
+    if not inside or inside != list(range(inside[0], inside[-1] + 1)):
+        return False
+    blocks = [int(calls[i][len(prefix):].split(".")[0]) for i in inside]
+    mods = [calls[i] for i in inside]
+    return blocks == sorted(blocks) and len(set(mods)) == len(mods) and set(blocks) == set(range(n))
+
+
+def _truncate_repeats(model: nn.Module, trace: CallTrace, tracked: set[str]) -> tuple[str, int] | None:
     """Cut the longest list of identical blocks to KEEP_BLOCKS; the rest are extrapolated from them.
 
     Fake-tensor dispatch costs about a millisecond per op, so a 70B model would take minutes to
-    trace; identical blocks record identical readings relative to their own start.
+    trace; identical blocks record identical readings relative to their own start. Only lists whose
+    blocks run once each, one after the other, are cut.
     """
     best: tuple[str, nn.ModuleList] | None = None
     for path, mod in model.named_modules():
         if (isinstance(mod, nn.ModuleList) and len(mod) > KEEP_BLOCKS and len({_signature(b) for b in mod}) == 1
-                and (best is None or len(mod) > len(best[1]))):
+                and (best is None or len(mod) > len(best[1])) and _runs_in_order(path, len(mod), trace, tracked)):
             best = (path, mod)
     if best is None:
         return None
@@ -328,16 +352,18 @@ def _variant_runs(build: Callable[[str], nn.Module], seq_len: int, vocab: int, d
     unit_of: dict[str, str] = {}
     blocks: tuple[str, int] | None = None
     full: nn.Module | None = None
+    trace = CallTrace()
     for variant in variants:
         with _default_dtype(dtype):
             model = build("cpu")
         if full is None:
             full = model
-            units = find_units(model)
+            trace = trace_calls(model, seq_len, vocab)
+            units = units_of(model, trace)
             unit_of = {m: u.name for u in units for m in u.modules if m}
             with _default_dtype(dtype):
                 model = build("cpu")
-        blocks = _truncate_repeats(model)
+        blocks = _truncate_repeats(model, trace, set(unit_of))
         live = {path for path, _ in model.named_modules()}
         present = [u for u in units if all(m in live for m in u.modules)]
         _apply_variant(model, present, variant, live)
@@ -405,14 +431,16 @@ def profile_model(build: Callable[[str], nn.Module], seq_len: int, vocab_size: i
     acts = {v: _activations(rs) for v, rs in runs.items()}
     extras = [_extras(r) for r in plain]
     modules = [
-        ModuleProfile(path, unit_of[path], {v: a[profiled] for v, a in acts.items()},
+        ModuleProfile(key, key.partition("#")[0], unit_of[key.partition("#")[0]],
+                      {v: a[profiled] for v, a in acts.items()},
                       _fit([e[0][profiled] for e in extras]), _fit([r.flops[profiled] for r in plain]))
-        for path, profiled in _full_order(plain[0].order, blocks)
+        for key, profiled in _full_order(plain[0].order, blocks)
     ]
     prefix = _fit([e[1] for e in extras])
     loss = Peak.of(*(r.stretch(r.loss) for r in plain), _fit([e[2] for e in extras]))
     param_bytes = {u.name: 4 * u.param_count for u in units}
-    return ModelProfile(units, modules, param_bytes, linears, largest, prefix, loss)
+    outside = _fit([r.outside_flops for r in plain])
+    return ModelProfile(units, modules, param_bytes, linears, largest, prefix, loss, outside)
 
 
 def _linear_shape(model: nn.Module, path: str) -> LinearShape:

@@ -9,6 +9,10 @@ creation until the group's post-backward (when FSDP2 reduce-scatters and frees t
 when the gradients of the inputs of the group's first module are ready, or at the end of backward
 when those inputs need none (an embedding). A checkpointed module re-runs its forward inside its
 backward: those forward hooks are not readings of the forward.
+
+A module that runs twice in one forward has a reading per call, keyed by its path for the first and
+`path#k` for the k-th (`call_key`); backward runs the calls in reverse, so each backward is matched
+to the latest call whose backward has not started.
 """
 
 import weakref
@@ -23,6 +27,11 @@ from torch.distributed._tools.mod_tracker import ModTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
+
+
+def call_key(path: str, call: int) -> str:
+    """The reading's key for the `call`-th (1-based) forward of the module at `path`."""
+    return path if call == 1 else f"{path}#{call}"
 
 
 @dataclass
@@ -45,15 +54,18 @@ class _Live(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 rec.track(t)
         packet = func._overloadpacket
-        if packet in flop_registry and rec.current_fw is not None:
-            rec.readings[rec.current_fw].flops += flop_registry[packet](*args, **kwargs, out_val=out)
+        target = rec.forward_target()
+        if packet in flop_registry and target is not None:
+            target.flops += flop_registry[packet](*args, **kwargs, out_val=out)
         if func.namespace != "prim":  # prim queries allocate nothing and come and go with fake mode's caches
             rec.mark(packet.__name__)
         return out
 
 
 class Recorder:
-    """Readings for the modules named in `paths` (module -> path); `grad_groups` maps the module whose
+    """Readings for every forward call of the modules named in `paths` (module -> path), in call
+    order (`order`), and the FLOPs of the model's forward outside them (`outside`, the root's work);
+    `grad_groups` maps the module whose
     post-backward frees a gradient group (FSDP2's) to that group's parameters.
 
     `trace` holds the live bytes after every op: a peak is kept as the stretch of the trace it is the
@@ -65,16 +77,28 @@ class Recorder:
                  grad_groups: dict[nn.Module, list[nn.Parameter]]) -> None:
         self.paths = paths
         self.grad_groups = grad_groups
-        self.readings = {p: ModuleReadings() for p in paths.values()}
+        self.model = model
+        self.readings: dict[str, ModuleReadings] = {}
+        self.order: list[str] = []  # call keys in the order their forwards started
+        self.outside = ModuleReadings()
         self.live = 0.0
         self.trace: list[float] = []
         self.ops: list[str] = []  # what ran at each trace index (runs are aligned by it)
-        self.current_fw: str | None = None
+        self._calls: dict[str, int] = {}
+        self._forward: list[str] = []  # call keys whose forward is running, innermost last
+        self._in_model = False
+        self._awaiting_bw: dict[str, list[str]] = {}  # path -> call keys whose backward has not started
+        self._in_bw: dict[str, list[str]] = {}
         self._seen: dict[int, int] = {}
         self._open: dict[tuple[str, str], int] = {}
         self.regions: dict[str, tuple[int, int]] = {}  # name -> a stretch outside any module (see open_region)
         # views of parameters (a Linear's weight.t()) share their storage: never count it
         self._params = {id(t.untyped_storage()) for t in (*model.parameters(), *model.buffers())}
+
+    def forward_target(self) -> ModuleReadings | None:
+        if self._forward:
+            return self.readings[self._forward[-1]]
+        return self.outside if self._in_model else None
 
     def track(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
@@ -128,6 +152,12 @@ class Recorder:
         self._close_regions()
         for path, phase in list(self._open):
             self._end(path, phase)
+        end = self.mark()
+        for r in self.readings.values():  # a call whose output took no part in the loss
+            for phase in ("fw", "bw"):
+                r.spans.setdefault(phase, (end, end))
+                r.values.setdefault(f"pre_{phase}", self.live)
+                r.values.setdefault(f"post_{phase}", self.live)
         for params in self.grad_groups.values():
             self._free_grads(params)
 
@@ -136,23 +166,39 @@ class Recorder:
         tracker = ModTracker()
 
         def pre_fw(mod: nn.Module, _inp: Any) -> None:
-            if mod in self.paths and not tracker.is_bw:
-                self.current_fw = self.paths[mod]
-                self._start(self.paths[mod], "fw")
+            if tracker.is_bw:
+                return
+            if mod is self.model:
+                self._in_model = True
+            if mod in self.paths:
+                path = self.paths[mod]
+                self._calls[path] = self._calls.get(path, 0) + 1
+                key = call_key(path, self._calls[path])
+                self.readings[key] = ModuleReadings()
+                self.order.append(key)
+                self._forward.append(key)
+                self._start(key, "fw")
 
         def post_fw(mod: nn.Module, _inp: Any, _out: Any) -> None:
-            if mod in self.paths and not tracker.is_bw:
-                self._end(self.paths[mod], "fw")
-                self.current_fw = None
+            if tracker.is_bw:
+                return
+            if mod is self.model:
+                self._in_model = False
+            if mod in self.paths:
+                key = self._forward.pop()
+                self._end(key, "fw")
+                self._awaiting_bw.setdefault(self.paths[mod], []).append(key)
 
         def pre_bw(mod: nn.Module | None, _g: Any) -> None:
             self._close_regions()
-            if mod in self.paths:
-                self._start(self.paths[mod], "bw")
+            if mod in self.paths and self._awaiting_bw.get(self.paths[mod]):
+                key = self._awaiting_bw[self.paths[mod]].pop()
+                self._start(key, "bw")
+                self._in_bw.setdefault(self.paths[mod], []).append(key)
 
         def post_bw(mod: nn.Module | None, _g: Any) -> None:
-            if mod in self.paths and (self.paths[mod], "bw") in self._open:
-                self._end(self.paths[mod], "bw")  # read before the group's gradients go
+            if mod in self.paths and self._in_bw.get(self.paths[mod]):
+                self._end(self._in_bw[self.paths[mod]].pop(), "bw")  # read before the group's gradients go
             if mod in self.grad_groups:
                 self._free_grads(self.grad_groups.pop(mod))
 

@@ -63,7 +63,7 @@ def compute_seconds(profile: ModelProfile, unit: str, batch: int, topo: Topology
     """(forward, backward) seconds of one unit at a micro batch: measured if available, else from FLOPs."""
     if measured is not None:
         return measured.forward[unit].at(batch), measured.backward[unit].at(batch)
-    flops = sum(m.fwd_flops.at(batch) for m in profile.by_unit.get(unit, []))
+    flops = profile.forward_flops(unit, batch)
     fwd = flops / topo.device.flops_per_s
     return fwd, BACKWARD_FLOPS_RATIO * fwd
 

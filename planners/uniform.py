@@ -47,5 +47,5 @@ def make_plan(model: nn.Module, req: PlanRequest, units: list[UnitPlan],
 
 def uniform_plan(model: nn.Module, req: PlanRequest, strategy: Strategy, micro_batch_size: int,
                  grad_accum_steps: int) -> Plan:
-    units = unit_plans(find_units(model), strategy, req)
+    units = unit_plans(find_units(model, req.seq_len), strategy, req)
     return make_plan(model, req, units, micro_batch_size, grad_accum_steps)

@@ -3,6 +3,8 @@
 Every strategy is one `fully_shard` call with its own mesh and resharding setting:
 ZeRO-3 = 1-D mesh over all ranks, reshard after forward; ZeRO-2-like = same mesh, keep gathered;
 HSDP(g) = 2-D mesh (world/g replicas x g shards), reshard; DP = 2-D mesh (world x 1), keep gathered.
+The root takes every parameter no unit claimed; its strategy sets its mesh, and it stays gathered
+from forward to backward whatever the strategy, as FSDP2 does by default for the root.
 """
 
 from dataclasses import dataclass
@@ -13,6 +15,7 @@ from torch.distributed._composable import checkpoint
 from torch.distributed._composable.contract import _get_registry
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from osdp_planners.plan import Plan, Strategy, UnitPlan
 from osdp_planners.split import SplitLinear, split_linear_in
@@ -55,6 +58,8 @@ def _policy(precision: str) -> MixedPrecisionPolicy:
 def apply_plan(model: nn.Module, plan: Plan, device_type: str, meshes: Meshes | None = None) -> Meshes:
     """Split, checkpoint-wrap and shard every unit as the plan says; the root takes what is left.
 
+    A unit whose parameters all went to the slices of its split Linears (an MLP of Linears, a Linear
+    head) has nothing left for a `fully_shard` of its own: only its slices are sharded.
     Pass `meshes` to reuse process groups across models (each new mesh creates groups).
     """
     if structure_hash(model) != plan.structure_hash:
@@ -62,7 +67,7 @@ def apply_plan(model: nn.Module, plan: Plan, device_type: str, meshes: Meshes | 
             f"the plan was made for a model with structure hash {plan.structure_hash}, this model has "
             f"{structure_hash(model)}: re-plan for this model"
         )
-    linears = {u.name: u.linears for u in find_units(model)}
+    linears = {u.name: u.linears for u in find_units(model, plan.seq_len)}
     if set(linears) != {u.name for u in plan.units}:
         raise PlanMismatch(f"plan units {sorted(u.name for u in plan.units)} are not this model's units "
                            f"{sorted(linears)}: re-plan for this model")
@@ -84,15 +89,23 @@ def apply_plan(model: nn.Module, plan: Plan, device_type: str, meshes: Meshes | 
         if unit.checkpoint:
             for module in modules:
                 checkpoint(module)
-        fully_shard(modules if len(modules) > 1 else modules[0], **kwargs)
+        if _unsharded(modules):
+            fully_shard(modules if len(modules) > 1 else modules[0], **kwargs)
+    # the root stays gathered from its forward to its backward whatever its strategy (FSDP2's default):
+    # its backward all-gather would hang on the model's output, which a user's output object can hide
     root_g = root_unit.shard_group_size if root_unit else plan.world_size
-    fully_shard(model, mesh=meshes.for_group(root_g),
-                reshard_after_forward=_reshard(root_unit) if root_unit else False, mp_policy=mp)
+    fully_shard(model, mesh=meshes.for_group(root_g), reshard_after_forward=False, mp_policy=mp)
     verify_applied(model, plan, linears)
     return meshes
 
 
-def _check_sharding(module: nn.Module, unit: UnitPlan, world_size: int, what: str) -> None:
+def _unsharded(modules: list[nn.Module]) -> list[nn.Parameter]:
+    """Parameters of `modules` that no `fully_shard` has taken yet (nested units and slices took theirs)."""
+    return [p for m in modules for p in m.parameters() if not isinstance(p, DTensor)]
+
+
+def _check_sharding(module: nn.Module, unit: UnitPlan, world_size: int, what: str, reshard: bool | None = None
+                    ) -> None:
     if not isinstance(module, FSDPModule):
         raise PlanMismatch(f"{what} is not sharded by FSDP2")
     group = module._get_fsdp_state()._fsdp_param_group
@@ -104,19 +117,30 @@ def _check_sharding(module: nn.Module, unit: UnitPlan, world_size: int, what: st
     if (shard, replicate) != (unit.shard_group_size, world_size // unit.shard_group_size):
         raise PlanMismatch(f"{what}: mesh shards over {shard} x replicates {replicate}, plan says "
                            f"{unit.strategy} with group {unit.shard_group_size}")
-    if (group.post_forward_mesh_info is not None) != _reshard(unit):
+    if (group.post_forward_mesh_info is not None) != (_reshard(unit) if reshard is None else reshard):
         raise PlanMismatch(f"{what}: reshard_after_forward does not match strategy {unit.strategy}")
+
+
+def _held_inside(module: nn.Module) -> bool:
+    """Every parameter of `module` belongs to an FSDP2 unit nested in it (slices, inner units)."""
+    inner = {id(p) for sub in module.modules() if sub is not module and isinstance(sub, FSDPModule)
+             for p in sub.parameters()}
+    return all(id(p) in inner for p in module.parameters())
 
 
 def verify_applied(model: nn.Module, plan: Plan, linears: dict[str, tuple[str, ...]]) -> None:
     """Compare the live model with the plan: mesh, resharding, split and checkpoint of every unit."""
     for unit in plan.units:
         if unit.modules == [""]:
-            _check_sharding(model, unit, plan.world_size, "the root")
+            if unit.checkpoint or unit.split > 1:
+                raise PlanMismatch("the root unit can be neither checkpointed nor split: re-plan")
+            _check_sharding(model, unit, plan.world_size, "the root", reshard=False)
             continue
-        for path in unit.modules:
-            module = model.get_submodule(path)
-            _check_sharding(module, unit, plan.world_size, f"unit {unit.name} ({path})")
+        modules = [model.get_submodule(path) for path in unit.modules]
+        emptied = unit.split > 1 and not isinstance(modules[0], FSDPModule) and all(map(_held_inside, modules))
+        for path, module in zip(unit.modules, modules, strict=True):
+            if not emptied:
+                _check_sharding(module, unit, plan.world_size, f"unit {unit.name} ({path})")
             has_ckpt = "checkpoint" in (_get_registry(module) or {})
             if has_ckpt != unit.checkpoint:
                 raise PlanMismatch(f"unit {unit.name}: activation checkpointing is {has_ckpt}, plan says "
