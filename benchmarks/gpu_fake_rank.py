@@ -1,77 +1,118 @@
-"""For a GPU machine: CUDA peak memory and step time of one rank of an N-rank job vs the plan's prediction.
+"""For a GPU machine: one rank of an N-rank job, its CUDA peaks against the planner's prediction.
 
 Rank 0 of `--world` ranks runs in this process with a fake process group: FSDP2 shards, gathers and
-frees exactly as in the real job, on real CUDA tensors, while collectives move nothing (so step
-time excludes communication; compare it with the predicted compute). Writes
-benchmarks/results/gpu_fake_rank.json. Example (one H200):
-  .venv/bin/python benchmarks/gpu_fake_rank.py recipes/llama.yaml model.kwargs.n_layers=8 --world 8
+frees exactly as in the real job, on real CUDA tensors, while collectives move nothing. For each
+plan (uniform DP, uniform ZeRO-3, and a mixed plan: every other unit DP, the rest ZeRO-3) it
+reports the allocator's allocated and reserved peaks over steady-state steps beside the simulated
+peak, and how much of the GPU margin (planners/margin.py) the reserve-over-allocated gap uses.
+Prints a table and writes benchmarks/results/gpu_fake_rank.json. One call on a lent H100/H200:
+  .venv/bin/python benchmarks/gpu_fake_rank.py recipes/llama.yaml model.size=1b --world 8
+`--device cpu` runs the same code with torch's memory tracker (no reserve), as a smoke test.
 """
 
 import argparse
 import json
-import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from osdp_planners.evaluate import evaluate
+from osdp_planners.margin import DEFAULT_FRACTION
 from osdp_planners.options import Option
-from osdp_planners.time_model import unit_time
-from osdp_platform.apply import apply_plan
+from osdp_planners.plan import Plan, Strategy
+from osdp_platform.apply import Meshes, apply_plan
+from osdp_platform.memory import measure_step_peak
 from osdp_platform.models import build_model
 from osdp_platform.planning import plan_recipe
+from osdp_platform.recipe import Recipe
 from osdp_platform.recipe_loader import load_recipe
 from osdp_platform.step import build_optimizer, train_step
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gpu_fake_rank.json"
+MIB = 1024**2
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("recipe")
-    parser.add_argument("overrides", nargs="*")
-    parser.add_argument("--world", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=6)
-    args = parser.parse_args()
-    recipe = load_recipe(args.recipe, [*args.overrides, "hardware.nodes=1", f"hardware.workers_per_node={args.world}"])
-    result = plan_recipe(recipe)
-    plan, ctx = result.plan, result.context
-    dist.init_process_group("fake", rank=0, world_size=plan.world_size, store=FakeStore())
-    torch.cuda.set_device(0)
-    torch.manual_seed(0)
-    model = build_model(recipe.model, "meta")
-    apply_plan(model, plan, "cuda")
-    model.to_empty(device="cuda")
+def _plans(recipe: Recipe) -> dict[str, Plan]:
+    def planned(name: str) -> Plan:
+        return plan_recipe(recipe.model_copy(update={"planner": recipe.planner.model_copy(
+            update={"name": name, "memory_limit_gb": 1e4})})).plan
+
+    dp, zero3 = planned("ddp"), planned("zero3")
+    mixed = [u.model_copy(update={"strategy": Strategy.DDP, "shard_group_size": 1}) if i % 2 else u
+             for i, u in enumerate(zero3.units)]
+    return {"ddp": dp, "zero3": zero3, "mixed": zero3.model_copy(update={"units": mixed})}
+
+
+def _measure(recipe: Recipe, plan: Plan, device: torch.device, meshes: Meshes, steps: int) -> dict[str, int]:
+    model: nn.Module = build_model(recipe.model, "meta")
+    apply_plan(model, plan, device.type, meshes=meshes)
+    model.to_empty(device=device)
     for module in model.modules():
         if hasattr(module, "init_weights"):
             module.init_weights()
     opt = build_optimizer(model, recipe.train)
-    x = torch.randint(0, 256, (plan.micro_batch_size, plan.seq_len), device="cuda")
-    times, peaks = [], []
-    for _ in range(args.steps):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        train_step(model, opt, [(x, x)] * plan.grad_accum_steps, plan.grad_accum_steps)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        peaks.append(torch.cuda.max_memory_allocated())
-    compute = sum(unit_time(ctx.profile, u.name, Option.of(u), plan.micro_batch_size, ctx.topo, ctx.measured,
-                            ctx.compute_bytes, overlap=False).compute_s for u in plan.units) * plan.grad_accum_steps
-    row = {
-        "recipe": args.recipe, "overrides": args.overrides, "world": plan.world_size,
-        "micro_batch": plan.micro_batch_size, "accum": plan.grad_accum_steps,
-        "measured_peak_bytes": max(peaks[1:]), "predicted_peak_bytes": plan.predicted.peak_memory_bytes,
-        "measured_step_s": sorted(times[1:])[len(times[1:]) // 2], "predicted_compute_s": compute,
-        "predicted_step_s": plan.predicted.step_time_s, "reserved_bytes": torch.cuda.max_memory_reserved(),
-    }
-    row["memory_ratio"] = row["measured_peak_bytes"] / row["predicted_peak_bytes"]
-    row["compute_ratio"] = row["measured_step_s"] / compute
-    print(json.dumps(row, indent=2))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(row, indent=2))
-    dist.destroy_process_group()
+    x = torch.randint(0, 256, (plan.micro_batch_size, plan.seq_len), device=device)
+    batches = [(x, x)] * plan.grad_accum_steps
+    train_step(model, opt, batches, plan.grad_accum_steps)  # optimizer states exist from here on
+    allocated = reserved = 0
+    for _ in range(steps):
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        allocated = max(allocated, measure_step_peak(
+            model, opt, lambda: train_step(model, opt, batches, plan.grad_accum_steps), device))
+        if device.type == "cuda":
+            reserved = max(reserved, torch.cuda.max_memory_reserved(device))
+    return {"allocated_peak_bytes": allocated, "reserved_peak_bytes": reserved or allocated}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("recipe")
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--world", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3, help="measured steps after the first")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    accel = "gpu" if args.device == "cuda" else "cpu"
+    pool = ["hardware.nodes=1", f"hardware.workers_per_node={args.world}", f"hardware.accelerator={accel}"]
+    recipe = load_recipe(args.recipe, [*args.overrides, *pool, *([] if accel == "gpu" else ["hardware.preset=cpu"])])
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    plans = _plans(recipe)
+    ctx = plan_recipe(recipe.model_copy(update={"planner": recipe.planner.model_copy(
+        update={"name": "zero3", "memory_limit_gb": 1e4})})).context
+    dist.init_process_group("fake", rank=0, world_size=args.world, store=FakeStore())
+    meshes = Meshes(device.type, args.world, {})
+    rows: list[dict[str, Any]] = []
+    try:
+        for name, plan in plans.items():
+            options = {u.name: Option.of(u) for u in plan.units}
+            predicted = evaluate(ctx, options, plan.micro_batch_size, plan.grad_accum_steps).peak_bytes
+            measured = _measure(recipe, plan, device, meshes, args.steps)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the previous plan's model is gone: its cached blocks must not count
+            rows.append({"plan": name, "micro_batch": plan.micro_batch_size, "predicted_peak_bytes": int(predicted),
+                         **measured, "allocated_vs_predicted": measured["allocated_peak_bytes"] / predicted - 1,
+                         "reserved_over_allocated": measured["reserved_peak_bytes"]
+                         / measured["allocated_peak_bytes"] - 1})
+    finally:
+        dist.destroy_process_group()
+    print(f"{recipe.model.label}, rank 0 of {args.world}, {device.type}; GPU margin default "
+          f"{DEFAULT_FRACTION['gpu']:.0%} + 1 GiB")
+    print(f"{'plan':8} {'predicted MiB':>14} {'allocated MiB':>14} {'error':>8} {'reserved MiB':>13} {'reserve +':>10}")
+    for r in rows:
+        print(f"{r['plan']:8} {r['predicted_peak_bytes'] / MIB:14.1f} {r['allocated_peak_bytes'] / MIB:14.1f} "
+              f"{r['allocated_vs_predicted']:+8.2%} {r['reserved_peak_bytes'] / MIB:13.1f} "
+              f"{r['reserved_over_allocated']:+10.2%}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"command": " ".join(["benchmarks/gpu_fake_rank.py", args.recipe, *args.overrides,
+                                                          "--world", str(args.world)]), "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":
