@@ -18,12 +18,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from osdp_planners.evaluate import evaluate
 from osdp_planners.margin import DEFAULT_FRACTION
 from osdp_planners.options import Option
 from osdp_planners.plan import Plan, Strategy
+from osdp_planners.torch_private import register_fake_backend
 from osdp_platform.apply import Meshes, apply_plan
 from osdp_platform.memory import measure_step_peak
 from osdp_platform.models import build_model
@@ -87,7 +87,8 @@ def main() -> None:
     plans = _plans(recipe)
     ctx = plan_recipe(recipe.model_copy(update={"planner": recipe.planner.model_copy(
         update={"name": "zero3", "memory_limit_gb": 1e4})})).context
-    dist.init_process_group("fake", rank=0, world_size=args.world, store=FakeStore())
+    register_fake_backend()
+    dist.init_process_group("fake", rank=0, world_size=args.world, store=dist.HashStore())
     meshes = Meshes(device.type, args.world, {})
     rows: list[dict[str, Any]] = []
     try:

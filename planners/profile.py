@@ -28,13 +28,12 @@ from functools import cached_property
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._composable import checkpoint
 
 from osdp_planners.loss import lm_loss, logits_of
 from osdp_planners.options import SPLITS
 from osdp_planners.recorder import Recorder
 from osdp_planners.split import SplitLinear, split_linear_in
+from osdp_planners.torch_private import FakeTensorMode, checkpoint
 from osdp_planners.trace import ROOT, CallTrace, trace_calls
 from osdp_planners.units import Unit, units_of
 

@@ -23,10 +23,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed._tools.mod_tracker import ModTracker
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
+
+from osdp_planners.torch_private import ModTracker, TorchDispatchMode, tree_leaves
 
 
 def call_key(path: str, call: int) -> str:

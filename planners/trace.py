@@ -14,18 +14,18 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    FakeTensorMode,
-)
 from torch.func import functional_call
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from osdp_planners.errors import UserError
 from osdp_planners.loss import logits_of
+from osdp_planners.torch_private import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    TorchDispatchMode,
+    detect_fake_mode,
+    tree_leaves,
+)
 
 ROOT = "<root>"
 TRACE_BATCH = 2

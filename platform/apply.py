@@ -11,14 +11,13 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed._composable import checkpoint
-from torch.distributed._composable.contract import _get_registry
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from osdp_planners.plan import Plan, Strategy, UnitPlan
 from osdp_planners.split import SplitLinear, split_linear_in
+from osdp_planners.torch_private import checkpoint, composable_registry, reshards_after_forward
 from osdp_planners.units import find_units, structure_hash
 
 
@@ -104,28 +103,34 @@ def _unsharded(modules: list[nn.Module]) -> list[nn.Parameter]:
     return [p for m in modules for p in m.parameters() if not isinstance(p, DTensor)]
 
 
-def _check_sharding(module: nn.Module, unit: UnitPlan, world_size: int, what: str, reshard: bool | None = None
-                    ) -> None:
-    if not isinstance(module, FSDPModule):
+def _check_sharding(modules: list[nn.Module], unit: UnitPlan, world_size: int, what: str,
+                    reshard: bool | None = None) -> None:
+    """One fully_shard call over `modules`: its parameters' mesh and its resharding match the unit."""
+    if not all(isinstance(m, FSDPModule) for m in modules):
         raise PlanMismatch(f"{what} is not sharded by FSDP2")
-    group = module._get_fsdp_state()._fsdp_param_group
-    if group is None:
+    own = [p for m in modules for p in _own_params(m) if isinstance(p, DTensor)]
+    if not own:
         raise PlanMismatch(f"{what} holds no parameters under FSDP2")
-    info = group.mesh_info
-    shard = getattr(info, "shard_mesh_size", 1)
-    replicate = getattr(info, "replicate_mesh_size", 1)
+    mesh = own[0].device_mesh  # 1-D over all ranks (ZeRO), or 2-D replicas x shards (HSDP, DP)
+    shard = mesh.size(mesh.ndim - 1)
+    replicate = mesh.size(0) if mesh.ndim == 2 else 1
     if (shard, replicate) != (unit.shard_group_size, world_size // unit.shard_group_size):
         raise PlanMismatch(f"{what}: mesh shards over {shard} x replicates {replicate}, plan says "
                            f"{unit.strategy} with group {unit.shard_group_size}")
-    if (group.post_forward_mesh_info is not None) != (_reshard(unit) if reshard is None else reshard):
+    if reshards_after_forward(modules[0]) != (_reshard(unit) if reshard is None else reshard):
         raise PlanMismatch(f"{what}: reshard_after_forward does not match strategy {unit.strategy}")
 
 
-def _held_inside(module: nn.Module) -> bool:
-    """Every parameter of `module` belongs to an FSDP2 unit nested in it (slices, inner units)."""
+def _own_params(module: nn.Module) -> list[nn.Parameter]:
+    """Parameters of `module` that no FSDP2 unit nested in it (slices, inner units) holds."""
     inner = {id(p) for sub in module.modules() if sub is not module and isinstance(sub, FSDPModule)
              for p in sub.parameters()}
-    return all(id(p) in inner for p in module.parameters())
+    return [p for p in module.parameters() if id(p) not in inner]
+
+
+def _held_inside(module: nn.Module) -> bool:
+    """Every parameter of `module` belongs to an FSDP2 unit nested in it."""
+    return not _own_params(module)
 
 
 def verify_applied(model: nn.Module, plan: Plan, linears: dict[str, tuple[str, ...]]) -> None:
@@ -134,14 +139,14 @@ def verify_applied(model: nn.Module, plan: Plan, linears: dict[str, tuple[str, .
         if unit.modules == [""]:
             if unit.checkpoint or unit.split > 1:
                 raise PlanMismatch("the root unit can be neither checkpointed nor split: re-plan")
-            _check_sharding(model, unit, plan.world_size, "the root", reshard=False)
+            _check_sharding([model], unit, plan.world_size, "the root", reshard=False)
             continue
         modules = [model.get_submodule(path) for path in unit.modules]
         emptied = unit.split > 1 and not isinstance(modules[0], FSDPModule) and all(map(_held_inside, modules))
-        for path, module in zip(unit.modules, modules, strict=True):
-            if not emptied:
-                _check_sharding(module, unit, plan.world_size, f"unit {unit.name} ({path})")
-            has_ckpt = "checkpoint" in (_get_registry(module) or {})
+        if not emptied:
+            _check_sharding(modules, unit, plan.world_size, f"unit {unit.name} ({', '.join(unit.modules)})")
+        for module in modules:
+            has_ckpt = "checkpoint" in (composable_registry(module) or {})
             if has_ckpt != unit.checkpoint:
                 raise PlanMismatch(f"unit {unit.name}: activation checkpointing is {has_ckpt}, plan says "
                                    f"{unit.checkpoint}")
@@ -152,4 +157,4 @@ def verify_applied(model: nn.Module, plan: Plan, linears: dict[str, tuple[str, .
                 raise PlanMismatch(f"unit {unit.name}: {path} is in {slices} slice(s), plan says {unit.split}")
             if isinstance(live, SplitLinear):
                 for piece in live.slices:
-                    _check_sharding(piece, unit, plan.world_size, f"a slice of {path}")
+                    _check_sharding([piece], unit, plan.world_size, f"a slice of {path}")

@@ -11,11 +11,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.mem_tracker import MemTracker
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from osdp_planners.plan import Plan
+from osdp_planners.torch_private import FakeTensorMode, MemTracker, register_fake_backend
 from osdp_platform.apply import Meshes, apply_plan
 from osdp_platform.step import train_step
 
@@ -29,7 +27,8 @@ class FakeRankMemory:
 def measure_fake_rank(build: Callable[[], nn.Module], plan: Plan, vocab_size: int, rank: int = 0,
                       iterations: int = 2, optimizer: str = "adamw") -> FakeRankMemory:
     """Peak memory of `rank` for one steady-state training step under `plan` (step 2 onwards)."""
-    dist.init_process_group("fake", rank=rank, world_size=plan.world_size, store=FakeStore())
+    register_fake_backend()
+    dist.init_process_group("fake", rank=rank, world_size=plan.world_size, store=dist.HashStore())
     try:
         meshes = Meshes("cpu", plan.world_size, {})
         for g in {u.shard_group_size for u in plan.units} | {plan.world_size}:

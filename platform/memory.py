@@ -9,7 +9,8 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed._tools.mem_tracker import MemTracker
+
+from osdp_planners.torch_private import MemTracker
 
 
 def measure_step_peak(model: nn.Module, optimizer: torch.optim.Optimizer, step: Callable[[], None],
