@@ -27,7 +27,7 @@ from osdp_planners.evaluate import Bound
 from osdp_planners.memory_model import simulate, unit_segments
 from osdp_planners.options import Option
 
-TIME_LIMIT_S = 20.0  # per micro batch; the best plan found by then is used, marked not proven optimal
+TIME_LIMIT_S = 20.0  # per micro batch; the best plan found by then is used, even if not proven optimal
 OBJECTIVE_SCALE = 1e6
 PEAK_TIE = 1e-8  # weight of the cost when the peak is minimised: only a tie-break between equal peaks
 ROUNDING_RETRIES = 3  # re-solves with a limit lowered by HiGHS's feasibility error, should rounding break it
@@ -37,9 +37,6 @@ ROUNDING_RETRIES = 3  # re-solves with a limit lowered by HiGHS's feasibility er
 class Exact:
     choice: list[int]  # per unit, an index into its options
     cost: float  # sum of the chosen costs
-    optimal: bool  # False: stopped at the time limit with this plan
-    solve_s: float
-    binaries: int
 
 
 @dataclass(frozen=True)
@@ -87,8 +84,8 @@ def build_program(bound: Bound, units: list[str], options: dict[str, list[Option
 
 
 def _solve(p: Program, n_units: int, limit: float | None, time_limit: float, scale: float
-           ) -> tuple[np.ndarray, bool] | None:
-    """Binaries of the best plan HiGHS finds, and whether it is proven optimal: the least cost with
+           ) -> np.ndarray | None:
+    """Binaries of the best plan HiGHS finds (optimal unless the time limit stops it): the least cost with
     every run's level <= limit, or (limit None) the least peak, its cost breaking ties."""
     n, k = len(p.cost), len(p.run_base)
     runs = np.arange(k)
@@ -119,9 +116,7 @@ def _solve(p: Program, n_units: int, limit: float | None, time_limit: float, sca
                bounds=Bounds(lower, upper),
                constraints=LinearConstraint(a, np.concatenate(lower_rows), np.concatenate(upper_rows)),
                options={"time_limit": time_limit, "mip_rel_gap": 0.0, "presolve": True})
-    if res.x is None:
-        return None
-    return res.x[:n], res.status == 0
+    return None if res.x is None else res.x[:n]
 
 
 def _choice(p: Program, x: np.ndarray, n_units: int) -> list[int]:
@@ -137,7 +132,7 @@ def least_peak(bound: Bound, units: list[str], options: dict[str, list[Option]],
     any plan needs at this batch; None if HiGHS finds nothing in the time limit."""
     program = build_program(bound, units, options, costs)
     found = _solve(program, len(units), None, time_limit, float(max(program.run_base.max(), 1.0)))
-    return None if found is None else _choice(program, found[0], len(units))
+    return None if found is None else _choice(program, found, len(units))
 
 
 def solve_exact(bound: Bound, units: list[str], options: dict[str, list[Option]], costs: list[list[float]],
@@ -152,12 +147,11 @@ def solve_exact(bound: Bound, units: list[str], options: dict[str, list[Option]]
         found = _solve(program, len(units), target, max(time_limit - (time.perf_counter() - started), 0.1), limit)
         if found is None:
             return None
-        x, optimal = found
-        choice = _choice(program, x, len(units))
+        choice = _choice(program, found, len(units))
         chosen = {u: options[u][i] for u, i in zip(units, choice, strict=True)}
         peak = simulate(ctx.profile, chosen, s.batch, ctx.compute_bytes, ctx.optimizer, s.accum, ctx.overlap).peak
         if peak <= limit:
             total = sum(costs[j][i] for j, i in enumerate(choice))
-            return Exact(choice, total, optimal, time.perf_counter() - started, len(program.cost))
+            return Exact(choice, total)
         target -= peak - limit + 1e-9 * limit
     return None
