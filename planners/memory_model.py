@@ -271,6 +271,17 @@ def global_segments(layout: Layout, unit: str, fp: Footprint) -> Iterable[tuple[
         yield layout.optimizer, layout.optimizer, fp.optimizer_temp
 
 
+def unit_segments(profile: ModelProfile, layout: Layout, unit: str, opt: Option, s: Settings,
+                  fp: Footprint | None = None) -> Iterable[tuple[int, int, float]]:
+    """Event ranges (first, last, bytes) where `unit` holds memory under `opt`: what `simulate` adds up
+    and the exact search (milp.py) constrains, so the two cannot disagree. The root unit holds its
+    bytes all step; `fp` is this unit's footprint under `opt` where the caller has it cached."""
+    if unit not in layout.units:
+        yield 0, len(layout.events) - 1, root_bytes(profile, unit, opt, s)
+        return
+    yield from global_segments(layout, unit, fp or footprint(profile, layout, unit, opt, s))
+
+
 @dataclass
 class Timeline:
     """Memory at every event, for the report's plot and for finding the peak."""
@@ -290,10 +301,7 @@ def simulate(profile: ModelProfile, options: dict[str, Option], batch: int, comp
     levels = base_levels(profile, layout, s)
     diff = np.zeros(len(levels) + 1)
     for unit, opt in options.items():
-        if unit not in layout.units:
-            levels += root_bytes(profile, unit, opt, s)
-            continue
-        for a, z, value in global_segments(layout, unit, footprint(profile, layout, unit, opt, s)):
+        for a, z, value in unit_segments(profile, layout, unit, opt, s):
             if a <= z:
                 diff[a] += value
                 diff[z + 1] -= value

@@ -24,6 +24,16 @@ class Option:
         return cls(unit.strategy, unit.shard_group_size, unit.split, unit.checkpoint)
 
 
+def runtime_preference(opt: Option) -> tuple[int, int, bool]:
+    """How to order options the time model prices the same: the runtime executes plain replication
+    fastest (DP, then HSDP over groups of one, which FSDP2 still wraps), then ZeRO-2 (one gather per
+    step), ZeRO-3, HSDP over larger groups (ZeRO-3 plus an all-reduce); fewer FSDP2 units (no split)
+    and no recomputation before more."""
+    order = {Strategy.DDP: 0, Strategy.ZERO2: 2, Strategy.ZERO3: 3}
+    rank = order.get(opt.strategy, 1 if opt.group == 1 else 4)
+    return rank, opt.split, opt.checkpoint
+
+
 def strategy_choices(world_size: int, workers_per_node: int, nodes: int) -> list[tuple[Strategy, int]]:
     """Every (strategy, group) the topology allows: HSDP groups divide the world and nest in nodes or span them.
 

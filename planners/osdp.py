@@ -11,7 +11,8 @@ from torch import nn
 
 from osdp_planners.errors import UserError
 from osdp_planners.evaluate import Bound, Context, Evaluation, evaluate, unit_seconds
-from osdp_planners.options import SPLITS, Option, unit_options
+from osdp_planners.milp import TIME_LIMIT_S, least_peak, solve_exact
+from osdp_planners.options import SPLITS, Option, runtime_preference, unit_options
 from osdp_planners.plan import Baseline, Plan, Predicted, Strategy, UnitPlan
 from osdp_planners.request import PlanRequest
 from osdp_planners.search import Candidate, least_bound, solve
@@ -19,6 +20,11 @@ from osdp_planners.uniform import group_size, make_plan
 from osdp_planners.units import ROOT
 
 MAX_MICRO_BATCH = 1024
+TIE_BREAK = 1e-8
+# auto runs the exact program up to this many binaries (units x options): measured on Llama-tiny stacks, HiGHS
+# proves the optimum within a second up to ~1,600 binaries, and at 2,000-4,000 can run past a minute
+AUTO_MILP_BINARIES = 1100
+AUTO_TIME_LIMIT_S = 5.0
 GIB = 1024**3
 
 
@@ -63,20 +69,85 @@ def _time_key(ctx: Context, bound: Bound, unit: str) -> tuple[object, ...]:
     return bound.signature(unit), ctx.profile.tensor_count[unit], measured, flops
 
 
-def search_candidates(ctx: Context, units: list[str], options: dict[str, list[Option]], batch: int, accum: int
-                      ) -> list[list[Candidate]]:
-    """Every unit's candidates for the knapsack, plus one for the loss and optimizer step's base."""
-    bound = Bound(ctx, batch, accum)
-    bound.add_neighbour_buffers(options)
+def tie_broken(options: list[Option], times: list[float]) -> list[float]:
+    """A unit's step seconds per option plus TIE_BREAK of its slowest per rank in runtime_preference:
+    options the time model prices the same (DP and HSDP over groups of one, often) resolve to the
+    one the runtime executes fastest, in both searches; real differences are far larger."""
+    step = TIE_BREAK * max(times, default=0.0)
+    order = sorted(range(len(options)), key=lambda i: runtime_preference(options[i]))
+    costs = list(times)
+    for rank, i in enumerate(order):
+        costs[i] += rank * step
+    return costs
+
+
+def unit_costs(ctx: Context, bound: Bound, units: list[str], options: dict[str, list[Option]], batch: int,
+               accum: int) -> list[list[float]]:
+    """What both searches minimise, per unit and option: evaluate()'s step time is their sum (without
+    the tie-break) plus the plan-independent fixed cost."""
     times: dict[tuple[object, ...], list[float]] = {}
     out = []
     for u in units:
         key = (_time_key(ctx, bound, u), tuple(options[u]))
         if key not in times:
-            times[key] = [unit_seconds(ctx, u, o, batch, accum) for o in options[u]]
-        out.append(bound.candidates(u, options[u], times[key]))
+            times[key] = tie_broken(options[u], [unit_seconds(ctx, u, o, batch, accum) for o in options[u]])
+        out.append(times[key])
+    return out
+
+
+def _candidates(bound: Bound, units: list[str], options: dict[str, list[Option]], costs: list[list[float]]
+                ) -> list[list[Candidate]]:
+    """Every unit's candidates for the knapsack, plus one for the loss and optimizer step's base."""
+    out = [bound.candidates(u, options[u], c) for u, c in zip(units, costs, strict=True)]
     out.append([Candidate(0.0, bound.global_transient(), 0.0)])
     return out
+
+
+def search_candidates(ctx: Context, units: list[str], options: dict[str, list[Option]], batch: int, accum: int
+                      ) -> list[list[Candidate]]:
+    """The knapsack's instance at one batch (see _candidates)."""
+    bound = Bound(ctx, batch, accum)
+    bound.add_neighbour_buffers(options)
+    return _candidates(bound, units, options, unit_costs(ctx, bound, units, options, batch, accum))
+
+
+def _use_milp(mode: str, binaries: int) -> bool:
+    return mode == "milp" or (mode == "auto" and binaries <= AUTO_MILP_BINARIES)
+
+
+def _milp_time_limit(mode: str) -> float:
+    return TIME_LIMIT_S if mode == "milp" else AUTO_TIME_LIMIT_S
+
+
+def search_batch(ctx: Context, mode: str, units: list[str], options: dict[str, list[Option]], batch: int,
+                 accum: int) -> list[int] | None:
+    """The cheapest choice (an option index per unit) whose memory fits at one batch, or None.
+
+    dp: the knapsack over the memory bound (milliseconds at any size, never over the limit, but it
+    misses plans the bound over-states). milp: the exact program over the simulated peak (milp.py);
+    the knapsack only where it returns nothing in its time limit. auto: the knapsack, then the
+    program where the knapsack's plan is not already the fastest of all (a certificate: it cannot be
+    beaten) and the program is small enough to solve in about a second (AUTO_MILP_BINARIES,
+    measured), keeping the cheaper of the two.
+    """
+    bound = Bound(ctx, batch, accum)
+    bound.add_neighbour_buffers(options)
+    costs = unit_costs(ctx, bound, units, options, batch, accum)
+
+    def knapsack() -> tuple[float, list[int]] | None:
+        found = solve(_candidates(bound, units, options, costs), ctx.memory_limit)
+        return None if found is None else (found.time_s, found.choice[:-1])
+
+    best = None if mode == "milp" else knapsack()
+    fastest = sum(min(c) for c in costs)
+    if not _use_milp(mode, sum(len(options[u]) for u in units)) or (best is not None and best[0] <= fastest):
+        return None if best is None else best[1]
+    exact = solve_exact(bound, units, options, costs, ctx.memory_limit, _milp_time_limit(mode))
+    if exact is not None and (best is None or exact.cost < best[0]):
+        best = (exact.cost, exact.choice)
+    if best is None and mode == "milp":
+        best = knapsack()
+    return None if best is None else best[1]
 
 
 def unit_option_lists(ctx: Context, req: PlanRequest) -> dict[str, list[Option]]:
@@ -91,15 +162,14 @@ def search_osdp(ctx: Context, req: PlanRequest) -> Choice | None:
     options = unit_option_lists(ctx, req)
     best: Choice | None = None
     for batch, accum in batch_candidates(req):
-        cands = search_candidates(ctx, units, options, batch, accum)
-        found = solve(cands, ctx.memory_limit)
+        found = search_batch(ctx, req.search, units, options, batch, accum)
         if found is None:
             if req.global_batch_size is None:
                 break  # larger batches only need more memory
             continue
-        chosen = {u: options[u][i] for u, i in zip(units, found.choice[:-1], strict=True)}
+        chosen = {u: options[u][i] for u, i in zip(units, found, strict=True)}
         ev = evaluate(ctx, chosen, batch, accum)
-        if ev.peak_bytes > ctx.memory_limit:  # the bound is an upper bound of this; never trust it blindly
+        if ev.peak_bytes > ctx.memory_limit:  # both searches promise this; never trust them blindly
             continue
         if best is None or ev.throughput > best.evaluation.throughput:
             best = Choice(chosen, batch, accum, ev)
@@ -131,13 +201,20 @@ def best_uniform(ctx: Context, req: PlanRequest, strategy: Strategy) -> Choice |
 
 def smallest_footprint(ctx: Context, req: PlanRequest) -> Choice:
     """The least memory a plan needs, as far as the planner can tell, at the smallest batch: the plan
-    that minimises the search's memory bound, or a uniform ZeRO-3 plan (every split factor, with and
+    with the least simulated peak where the exact program runs (see search_batch), the plan that
+    minimises the search's memory bound, or a uniform ZeRO-3 plan (every split factor, with and
     without checkpointing: splitting adds buffers, so more is not always less), whichever simulates lower."""
     batch, accum = min(batch_candidates(req))
     units = [u.name for u in ctx.profile.units]
     options = unit_option_lists(ctx, req)
-    cands = search_candidates(ctx, units, options, batch, accum)
-    plans = [{u: options[u][i] for u, i in zip(units, least_bound(cands), strict=False)}]
+    bound = Bound(ctx, batch, accum)
+    bound.add_neighbour_buffers(options)
+    costs = unit_costs(ctx, bound, units, options, batch, accum)
+    choices = [least_bound(_candidates(bound, units, options, costs))]
+    if _use_milp(req.search, sum(len(options[u]) for u in units)):
+        exact = least_peak(bound, units, options, costs, _milp_time_limit(req.search))
+        choices += [] if exact is None else [exact]
+    plans = [{u: options[u][i] for u, i in zip(units, c, strict=False)} for c in choices]
     for split in SPLITS:
         for ckpt in (False, True):
             plans.append({u.name: Option(Strategy.ZERO3, req.world_size, split if _splittable(ctx, u.name) else 1,

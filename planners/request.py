@@ -23,6 +23,7 @@ class PlanRequest:
     plan_file: str | None = None
     token_range: int = 256  # token ids the data produces (bytes), used to drive profiling runs
     margin: MemoryMargin = field(default_factory=MemoryMargin)
+    search: str = "auto"  # auto | dp | milp: how the osdp planner searches (osdp.search_batch)
 
     @property
     def usable_memory_bytes(self) -> float:

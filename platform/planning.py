@@ -35,6 +35,7 @@ def plan_request(recipe: Recipe) -> PlanRequest:
         optimizer=t.optimizer,
         hsdp_group_size=recipe.planner.hsdp_group_size,
         plan_file=recipe.planner.plan_file,
+        search=recipe.planner.search,
     )
 
 

@@ -101,6 +101,9 @@ class PlannerSection(_Section):
         "fixed memory kept unplanned (CUDA context, NCCL buffers); default 0 on CPU, 1 on GPU"))
     hsdp_group_size: PositiveInt | None = None
     plan_file: str | None = None
+    search: Literal["auto", "dp", "milp"] = Field(default="auto", description=(
+        "how osdp searches: dp (knapsack over a memory bound, any size), milp (exact over the simulated "
+        "peak), auto (dp, then milp where it can gain and the program is small)"))
 
     @model_validator(mode="after")
     def _manual_needs_file(self) -> "PlannerSection":

@@ -7,6 +7,7 @@ import pytest
 
 from helpers import CLI, RECIPES
 from osdp_planners.errors import UserError, UserErrors
+from osdp_platform.planning import plan_request
 from osdp_platform.recipe_loader import flatten, load_recipe
 
 
@@ -43,6 +44,8 @@ def test_extends_interpolation_and_overrides(tmp_path: Path) -> None:
     assert recipe.data.seq_len == 5  # interpolated after the override
     assert recipe.hardware.world_size == 4
     assert flatten(recipe)["hardware.nodes"] == "2"
+    assert plan_request(recipe).search == "auto"
+    assert plan_request(load_recipe(child, ["planner.search=milp"])).search == "milp"  # reaches the planner
 
 
 @pytest.mark.parametrize(
@@ -51,6 +54,7 @@ def test_extends_interpolation_and_overrides(tmp_path: Path) -> None:
         (["train.stepz=5"], "train.stepz", "steps, micro_batch_size"),
         (["hardware.nodes=two"], "hardware.nodes", "valid integer"),
         (["planner.name=fastest"], "planner.name", "zero3"),
+        (["planner.search=exact"], "planner.search", "milp"),
         (["hardware.preset=tpu-v9"], "hardware", "tpu-v9"),
         (["data.source=text_file", "data.path=/no/such/file.txt"], "data", "/no/such/file.txt"),
         (["train.global_batch_size=6"], "", "multiple of micro_batch_size"),
