@@ -108,7 +108,7 @@ def as_json(rows: list[Row]) -> str:
 
 def chart(rows: list[Row], path: Path) -> Path:
     """Predicted against measured throughput and peak memory, one group of bars per run."""
-    labels = [f"{r.name}\n{r.planner} {r.run_id[:6]}" for r in rows]
+    labels = [f"{r.name} {r.run_id[:6]}\n{r.planner}\n{r.status}" for r in rows]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(rows) + 4), 4.5))
     x = range(len(rows))
     for axis, (pred, meas, unit, scale) in ((ax, ("predicted_throughput", "measured_throughput", "samples/s", 1)),
