@@ -149,5 +149,6 @@ def compare(uri: str, run_ids: list[str], experiment: str | None, fmt: Format, c
     with tempfile.TemporaryDirectory() as tmp:
         tracker.log_file(chart(rows, Path(tmp) / "comparison.png"))
     tracker.finish()
-    console.print(f"comparison logged as MLflow run {tracker.run_id}", markup=False, highlight=False)
+    note = Console(stderr=True) if fmt == "json" else console  # JSON on stdout stays parseable
+    note.print(f"comparison logged as MLflow run {tracker.run_id}", markup=False, highlight=False)
     return rows
