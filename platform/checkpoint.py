@@ -6,11 +6,11 @@ Where they live: each rank writes its own DCP shard files into a local temp dir 
 failure Ray Train restarts the workers, but it registers a checkpoint only when its controller next
 polls every worker (every 2 s): a worker that dies sooner after reporting loses it, and the restart
 would begin again from step 0. So rank 0 also hands each stored folder to the driver's inbox
-(progress.py), which outlives the workers, and a restart loads the inbox's newest.
+(inbox.py), which outlives the workers, and a restart loads the inbox's newest.
 
-How resume finds them: once every rank's files are stored, the driver tags the MLflow run with the
-folder and the step to continue at (`checkpoint_path`, `checkpoint_step`); `submit --resume RUN_ID`
-reads those tags. DCP matches tensors by name and reshards on load, so a checkpoint loads under another
+How resume finds them: once every rank's files are stored, the driver records the folder and the
+step to continue at on the MLflow run (tracking.py); `submit --resume RUN_ID` reads them back.
+DCP matches tensors by name and reshards on load, so a checkpoint loads under another
 plan or worker count as long as the parameter names agree. Operator splitting renames parameters
 (`x.weight` -> `x.slices.i.weight`), in the optimizer state at least, so a resume must keep every
 unit's split factor; `check_resumable` refuses other changes before training starts.
@@ -35,9 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 from osdp_planners.errors import UserError
 from osdp_planners.plan import Plan
 from osdp_platform.recipe import Recipe
-
-CHECKPOINT_PATH_TAG = "checkpoint_path"
-CHECKPOINT_STEP_TAG = "checkpoint_step"
+from osdp_platform.tracking import recorded_checkpoint
 
 
 @dataclass(frozen=True)
@@ -109,32 +107,19 @@ def restore(model: nn.Module, optimizer: torch.optim.Optimizer, own: str | None,
 
 def find_resume_point(recipe: Recipe, run_id: str) -> ResumePoint:
     """Look up the last checkpoint of MLflow run `run_id` in the recipe's tracking store (before Ray starts)."""
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
-
-    uri = recipe.tracking.resolved_uri
-    client = MlflowClient(uri)
-    try:
-        run = client.get_run(run_id)
-    except MlflowException:
-        raise UserError("--resume", run_id, f"no MLflow run with this id in the tracking store {uri}",
-                        "pass the run id that submit printed (MLflow run), with the same tracking.uri") from None
-    tags = run.data.tags
-    if CHECKPOINT_PATH_TAG not in tags:
+    recorded = recorded_checkpoint(recipe.tracking.resolved_uri, run_id)
+    if recorded is None:
         raise UserError("--resume", run_id, "this run wrote no checkpoint",
                         "resume a run submitted with train.checkpoint_every > 0 that got past its first "
                         "checkpoint, or submit without --resume")
-    path = tags[CHECKPOINT_PATH_TAG]
-    if not (Path(path) / ".metadata").is_file():
-        raise UserError("--resume", run_id, f"its checkpoint folder {path} is gone or incomplete",
+    if not (Path(recorded.path) / ".metadata").is_file():
+        raise UserError("--resume", run_id, f"its checkpoint folder {recorded.path} is gone or incomplete",
                         "restore the runs/ folder that run wrote, or submit without --resume")
-    step = int(tags[CHECKPOINT_STEP_TAG])
-    if recipe.train.steps <= step:
-        raise UserError("train.steps", recipe.train.steps, f"the checkpoint of run {run_id} is already at step {step}",
-                        f"set train.steps above {step} to train further")
-    with tempfile.TemporaryDirectory() as tmp:
-        plan = Plan.from_file(client.download_artifacts(run_id, "plan.json", tmp))
-    return ResumePoint(run_id, path, step, plan)
+    if recipe.train.steps <= recorded.step:
+        raise UserError("train.steps", recipe.train.steps,
+                        f"the checkpoint of run {run_id} is already at step {recorded.step}",
+                        f"set train.steps above {recorded.step} to train further")
+    return ResumePoint(run_id, recorded.path, recorded.step, recorded.plan)
 
 
 def check_resumable(point: ResumePoint, recipe: Recipe, plan: Plan) -> None:

@@ -1,5 +1,6 @@
 """Connect to Ray (in-process local, or the cluster at RAY_ADDRESS) and check it can host the pool."""
 
+import logging
 import os
 
 import ray
@@ -24,17 +25,23 @@ def check_local_devices(recipe: Recipe, address: str | None) -> None:
         )
 
 
-def connect(recipe: Recipe, address: str | None) -> None:
-    """Start a local Ray without dashboard, or join the cluster at `address`/RAY_ADDRESS."""
+def connect(recipe: Recipe, address: str | None, verbose: bool = True) -> None:
+    """Start a local Ray without dashboard, or join the cluster at `address`/RAY_ADDRESS.
+
+    Not `verbose`: Ray's own logs and the workers' output stay in Ray's log files (errors still arrive
+    as exceptions), so the terminal shows the platform's progress and nothing else.
+    """
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
+    level = logging.INFO if verbose else logging.ERROR  # INFO: Ray's default
     if address:
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, log_to_driver=verbose, logging_level=level)
         return
     cpus = max(os.cpu_count() or 1, recipe.hardware.world_size)
     # "local": a new Ray of our own, never a cluster another `ray start` on this machine left behind
-    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True)
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=verbose,
+             logging_level=level)
 
 
 def check_cluster(recipe: Recipe) -> None:

@@ -9,7 +9,7 @@ import ray
 import torch
 from ray.exceptions import RayTaskError
 
-from osdp_planners import Plan, PlanRequest, PlanResult, make_plan_for
+from osdp_planners import PlanRequest, PlanResult, make_plan_for
 from osdp_planners.errors import UserError
 from osdp_planners.hardware import get_preset
 from osdp_platform.models import build_model
@@ -69,10 +69,9 @@ def plan_recipe(recipe: Recipe) -> PlanResult:
 class PlannerActor:
     """Runs the planner where a training worker would run, so profiling sees the workers' hardware."""
 
-    def plan(self, recipe_json: dict[str, Any]) -> tuple[str, str]:
+    def plan(self, recipe_json: dict[str, Any]) -> PlanResult:
         torch.set_num_threads(1)
-        result = plan_recipe(Recipe.model_validate(recipe_json))
-        return result.plan.to_json(), profile_json(result)
+        return plan_recipe(Recipe.model_validate(recipe_json))
 
 
 def profile_json(result: PlanResult) -> str:
@@ -86,16 +85,17 @@ def profile_json(result: PlanResult) -> str:
     }, indent=1, default=str)
 
 
-def plan_on_sample_worker(recipe: Recipe) -> tuple[Plan, str]:
-    """Place the planner actor like one training worker, get its plan, and free the worker again."""
+def plan_on_sample_worker(recipe: Recipe) -> PlanResult:
+    """Place the planner actor like one training worker, get its plan (with what it was computed from, for
+    the run's charts), and free the worker again."""
     gpu = 1 if recipe.hardware.accelerator == "gpu" else 0
     actor = PlannerActor.options(num_cpus=1, num_gpus=gpu).remote()  # type: ignore[attr-defined]
     try:
-        plan_json, profile = ray.get(actor.plan.remote(recipe.model_dump(mode="json")), timeout=PLANNER_TIMEOUT_S)
+        result = ray.get(actor.plan.remote(recipe.model_dump(mode="json")), timeout=PLANNER_TIMEOUT_S)
     except RayTaskError as exc:
         if isinstance(exc.cause, UserError):
             raise exc.cause from None
         raise
     finally:
         ray.kill(actor)
-    return Plan.model_validate_json(plan_json), profile
+    return result

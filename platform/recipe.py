@@ -123,6 +123,8 @@ class TrainSection(_Section):
 class TrackingSection(_Section):
     uri: str | None = Field(default=None, description="defaults to $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db")
     experiment: str = "osdp-platform"
+    wait_for_server_s: float = Field(default=300.0, ge=0, description="how long the end of a run waits for a "
+                                     "tracking server that went away before leaving its writes on disk")
 
     @property
     def resolved_uri(self) -> str:

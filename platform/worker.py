@@ -1,6 +1,6 @@
 """The per-worker training loop Ray Train runs: build, apply the plan, restore, train, send each step's metrics.
 
-Rank 0 sends per-step metrics to the driver's inbox as each step ends (see progress.py); Ray Train
+Rank 0 sends per-step metrics to the driver's inbox as each step ends (see inbox.py); Ray Train
 hears from the loop only with a checkpoint: on a CPU pool the workers share cores with Ray, and a
 report Ray Train handles every step would slow them. A CPU worker is pinned to a core of its own.
 """
@@ -19,9 +19,9 @@ from osdp_planners.plan import Plan
 from osdp_platform.apply import apply_plan
 from osdp_platform.checkpoint import CheckpointSaved, restore, save_and_report, should_save
 from osdp_platform.data import BatchSampler, load_tokens
+from osdp_platform.inbox import MetricsSender, StepReport
 from osdp_platform.memory import measure_step_peak
 from osdp_platform.models import build_model
-from osdp_platform.progress import MetricsSender
 from osdp_platform.recipe import Recipe
 from osdp_platform.step import Batch, build_optimizer, train_step
 
@@ -62,7 +62,7 @@ class WorkerConfig(BaseModel):
 
     recipe: Recipe
     plan: Plan
-    inbox: Any = None  # the driver's MetricsInbox actor handle (progress.py); None: metrics are not sent
+    inbox: Any = None  # the driver's MetricsInbox actor handle (inbox.py); None: metrics are not sent
     resume_from: str | None = None  # an earlier run's checkpoint folder (submit --resume)
 
 
@@ -126,6 +126,7 @@ def train_loop(config: dict[str, Any], before_step: Callable[[int], None] | None
             one_step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        ended_ms = int(time.time() * 1000)  # MLflow shows when the step ran, not when the driver wrote it
         times, peaks = _per_rank(time.perf_counter() - start, peak, world, device)
         elapsed = max(times)
         metrics = StepMetrics(
@@ -138,7 +139,7 @@ def train_loop(config: dict[str, Any], before_step: Callable[[int], None] | None
             rank_peak_memory_bytes=peaks if peak is not None else [],
         )
         if sender is not None:
-            sender.send((step, metrics.as_dict()))
+            sender.send(StepReport(step, ended_ms, metrics.as_dict()))
         if should_save(step, recipe.train.checkpoint_every, recipe.train.steps):
             path = save_and_report(model, optimizer, step + 1, metrics.as_dict())
             if path is not None and sender is not None:
