@@ -1,6 +1,7 @@
 """The `osdp-platform` command: validate, plan and submit recipes. User mistakes exit 2 with one message."""
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -24,7 +25,11 @@ def _parser() -> argparse.ArgumentParser:
     sub.choices["plan"].add_argument("--out", help="write the plan JSON here (default: print it)")
     sub.choices["plan"].add_argument("--png", help="write the predicted memory timeline here (default: plan.png "
                                                    "beside --out, or none)")
-    sub.choices["submit"].add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS or local)")
+    sub.choices["submit"].add_argument("--address", help="Ray cluster: http://HEAD:8265 submits a job through the "
+                                                         "Jobs API (the current folder is shipped as its working "
+                                                         "directory), ray://HEAD:10001 connects as a Ray client, "
+                                                         "HOST:6379 joins from inside the cluster (default: "
+                                                         "$RAY_ADDRESS, else a local Ray)")
     sub.choices["submit"].add_argument("--resume", metavar="RUN_ID",
                                        help="continue from the last checkpoint of this earlier run (MLflow run "
                                             "id), as a new run; the plan and worker count may differ")
@@ -52,9 +57,14 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         png = args.png or (str(Path(args.out).with_suffix(".png")) if args.out else None)
         print_report(result, console, Path(png) if png else None)
         return 0
+    from osdp_platform.remote import is_jobs_api, submit_job
+
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    if address and is_jobs_api(address):
+        return submit_job(recipe, args.recipe, args.overrides, address, args.resume, console)
     from osdp_platform.submit import submit
 
-    submit(recipe, address=args.address, console=console, resume=args.resume)
+    submit(recipe, address=address, console=console, resume=args.resume)
     return 0
 
 

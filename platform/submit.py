@@ -15,7 +15,7 @@ from rich.table import Table
 
 from osdp_planners.plan import Plan
 from osdp_platform.checkpoint import check_resumable, find_resume_point
-from osdp_platform.cluster import check_cluster, check_local_devices, connect
+from osdp_platform.cluster import check_cluster, check_local_devices, connect, pool_request
 from osdp_platform.planning import plan_on_sample_worker
 from osdp_platform.progress import MetricsInbox, MetricsPump
 from osdp_platform.recipe import Recipe
@@ -108,7 +108,7 @@ def submit(recipe: Recipe, address: str | None = None, console: Console | None =
                                             resume_from=point.path if point else None)),
         scaling_config=ScalingConfig(num_workers=recipe.hardware.world_size,
                                      use_gpu=recipe.hardware.accelerator == "gpu",
-                                     resources_per_worker={"CPU": 1}),
+                                     resources_per_worker={"CPU": 1, **pool_request(recipe.hardware)}),
         run_config=RunConfig(name=f"{recipe.name}-{tracker.run_id[:8]}",
                              storage_path=str(Path("runs").resolve()),
                              failure_config=FailureConfig(max_failures=recipe.train.max_failures)),
