@@ -9,6 +9,7 @@ import os
 
 import ray
 import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from osdp_planners.errors import UserError
 from osdp_platform.recipe import HardwareSection, Recipe
@@ -17,6 +18,12 @@ from osdp_platform.recipe import HardwareSection, Recipe
 def pool_request(hw: HardwareSection) -> dict[str, float]:
     """The custom resource one worker (or the planner actor) takes: one unit of the pool, or nothing."""
     return {hw.pool_resource: 1.0} if hw.pool_resource else {}
+
+
+def beside_the_driver() -> NodeAffinitySchedulingStrategy:
+    """Where the driver's helper actors go: a 0-CPU actor on a worker node holds no resource, so an
+    autoscaler sees that node as idle and removes it, actor and all."""
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
 
 
 def check_local_devices(recipe: Recipe, address: str | None) -> None:

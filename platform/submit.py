@@ -15,7 +15,7 @@ from rich.table import Table
 
 from osdp_planners.plan import Plan
 from osdp_platform.checkpoint import check_resumable, find_resume_point
-from osdp_platform.cluster import check_cluster, check_local_devices, connect, pool_request
+from osdp_platform.cluster import beside_the_driver, check_cluster, check_local_devices, connect, pool_request
 from osdp_platform.planning import plan_on_sample_worker
 from osdp_platform.progress import MetricsInbox, MetricsPump
 from osdp_platform.recipe import Recipe
@@ -101,7 +101,7 @@ def submit(recipe: Recipe, address: str | None = None, console: Console | None =
                            ("resumed_at_step", str(point.step))):
             tracker.client.set_tag(tracker.run_id, key, value)
         console.print(f"resuming run {point.run_id} at step {point.step} from {point.path}")
-    inbox = MetricsInbox.remote()
+    inbox = MetricsInbox.options(scheduling_strategy=beside_the_driver()).remote()  # type: ignore[attr-defined]
     trainer = TorchTrainer(
         train_fn,
         train_loop_config=dict(WorkerConfig(recipe=recipe, plan=plan, inbox=inbox,

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from ray.util.state import list_nodes
+from ray.util.state import list_actors, list_nodes
 
 LOOPBACK = "127.0.0.1"
 VENV_BIN = str(Path(sys.executable).parent)
@@ -105,6 +105,12 @@ class RayHead:
 
     def worker_nodes(self) -> list[dict[str, Any]]:
         return [n for n in self.alive_nodes() if not n["head"]]
+
+    def actor_nodes(self, class_name: str) -> list[str]:
+        """The node of every actor of `class_name` this cluster ran, finished ones included."""
+        actors = list_actors(address=self.dashboard_url, filters=[("class_name", "=", class_name)], detail=True,
+                             raise_on_missing_output=False)
+        return [a.node_id for a in actors]
 
     def processes(self) -> list[psutil.Process]:
         """Every process of this cluster: they all carry its temp dir in their command line or cwd."""

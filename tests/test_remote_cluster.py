@@ -19,7 +19,7 @@ from mlflow.tracking import MlflowClient
 
 from helpers import CLI, RECIPES
 from osdp_platform.cli import main
-from ray_head import RayHead, client_env, start_head
+from ray_head import FAKE_HEAD_NODE_ID, RayHead, client_env, start_head
 
 IDLE_TIMEOUT_S = 15
 NODE_TYPES = {
@@ -98,9 +98,14 @@ def test_jobs_api_submit_grows_the_pool_it_names_trains_and_lets_the_nodes_go(he
     assert "submitted job osdp-tiny-" in result.stdout
     assert "planning llama-tiny" in result.stdout and "MLflow run" in result.stdout, "the job's logs were not streamed"
 
-    # The autoscaler grew exactly the group that advertises the pool the recipe names.
+    # The autoscaler grew exactly the group that advertises the pool the recipe names, the planner
+    # ran on it, and the driver's metrics inbox stayed beside the driver on the head (on a worker
+    # node it would hold no resource, and the autoscaler would take the node away under it).
     assert seen, "no worker node ever came up"
     assert all(res.get("POOL_B") == 2 and "POOL_A" not in res for res in seen.values()), seen
+    planners = head.actor_nodes("PlannerActor")
+    assert planners and set(planners) <= set(seen), (planners, seen)
+    assert head.actor_nodes("MetricsInbox") == [FAKE_HEAD_NODE_ID]
 
     client = MlflowClient(f"sqlite:///{db}")
     runs = client.search_runs([client.get_experiment_by_name("osdp-tiny").experiment_id])
@@ -125,9 +130,14 @@ def test_a_user_error_inside_the_job_exits_2_on_the_client(head: RayHead, projec
 def test_ray_client_address_reaches_the_same_cluster(head: RayHead, project: Path) -> None:
     # The driver stays here and asks the cluster for its resources through the Ray client: a pool of
     # 3 CPU workers without autoscaling meets a head that offers none, and the mistake is reported as such.
-    result = run_cli("submit", "recipes/tiny.yaml", "hardware.workers_per_node=3", "--address",
-                     head.client_address, cwd=project, timeout=240)
-    out = result.stdout + result.stderr
+    for _ in range(2):
+        result = run_cli("submit", "recipes/tiny.yaml", "hardware.workers_per_node=3", "--address",
+                         head.client_address, cwd=project, timeout=240)
+        out = result.stdout + result.stderr
+        # On a loaded machine the head's Ray client server sometimes loses the per-client server it
+        # forks (a gRPC fork crash inside Ray); that is Ray's, not the platform's: connect again, once.
+        if "Starting Ray client server failed" not in out and "Initialization failure from server" not in out:
+            break
     assert result.returncode == 2, out[-4000:]
     assert "the pool needs 3 CPU worker(s) but the Ray cluster has 0 CPU(s)" in out
     assert "Traceback" not in out
