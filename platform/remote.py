@@ -4,7 +4,7 @@ The client ships the project folder (the current directory) to the head as the j
 directory and runs `osdp-platform submit` there as the job's driver, so planning, training and
 tracking happen inside the cluster exactly as for a local run. The client only streams the job's
 logs and returns its exit status: 0, 2 for a mistake the job reports as a user error, 1 otherwise.
-A laptop can go to sleep without killing a run: Ctrl-C stops following the job, not the job.
+The run belongs to the cluster: Ctrl-C, or a laptop that goes away, stops following the job, not the job.
 """
 
 import asyncio
