@@ -39,8 +39,12 @@ def _parser() -> argparse.ArgumentParser:
                                     "or none)")
     plan.add_argument("--track", action="store_true", help="also record the plan as an MLflow run (no training), "
                                                            "to compare plans before spending GPU time")
-    for name in ("submit", "sweep"):
-        sub.choices[name].add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS or local)")
+    sub.choices["submit"].add_argument("--address", help="Ray cluster: http://HEAD:8265 submits a job through the "
+                                                         "Jobs API (the current folder is shipped as its working "
+                                                         "directory), ray://HEAD:10001 connects as a Ray client, "
+                                                         "HOST:6379 joins from inside the cluster (default: "
+                                                         "$RAY_ADDRESS, else a local Ray)")
+    sub.choices["sweep"].add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS or local)")
     sub.choices["submit"].add_argument("--resume", metavar="RUN_ID",
                                        help="continue from the last checkpoint of this earlier run (MLflow run "
                                             "id), as a new run; the plan and worker count may differ")
@@ -131,11 +135,16 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         console.print(recipe_to_yaml(recipe), markup=False)
         console.print(f"[green]ok[/]: {args.recipe} is valid")
         return 0
+    from osdp_platform.remote import is_jobs_api, submit_job
+
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    if address and is_jobs_api(address):
+        return submit_job(recipe, args.recipe, args.overrides, address, args.resume, console)
     from osdp_platform.submit import ray_logs_hint, submit
 
     if not args.verbose:
         ray_logs_hint(console)
-    submit(recipe, address=args.address, console=console, resume=args.resume, verbose=args.verbose)
+    submit(recipe, address=address, console=console, resume=args.resume, verbose=args.verbose)
     return 0
 
 

@@ -12,6 +12,7 @@ from ray.exceptions import RayTaskError
 from osdp_planners import PlanRequest, PlanResult, make_plan_for
 from osdp_planners.errors import UserError
 from osdp_planners.hardware import get_preset
+from osdp_platform.cluster import pool_request
 from osdp_platform.models import build_model
 from osdp_platform.recipe import Recipe
 
@@ -86,10 +87,11 @@ def profile_json(result: PlanResult) -> str:
 
 
 def plan_on_sample_worker(recipe: Recipe) -> PlanResult:
-    """Place the planner actor like one training worker, get its plan (with what it was computed from, for
+    """Place the planner actor like one training worker (same pool), get its plan (with what it was computed from, for
     the run's charts), and free the worker again."""
     gpu = 1 if recipe.hardware.accelerator == "gpu" else 0
-    actor = PlannerActor.options(num_cpus=1, num_gpus=gpu).remote()  # type: ignore[attr-defined]
+    actor = PlannerActor.options(num_cpus=1, num_gpus=gpu,  # type: ignore[attr-defined]
+                                 resources=pool_request(recipe.hardware)).remote()
     try:
         result = ray.get(actor.plan.remote(recipe.model_dump(mode="json")), timeout=PLANNER_TIMEOUT_S)
     except RayTaskError as exc:

@@ -1,6 +1,7 @@
 """The recipe schema: what a user may declare, validated strictly (unknown keys are errors)."""
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -58,6 +59,11 @@ class DataSection(_Section):
         return self
 
 
+# Resources Ray defines itself: a pool must be a custom resource, or it would not name a device type.
+RAY_BUILTIN_RESOURCES = frozenset({"CPU", "GPU", "TPU", "memory", "object_store_memory"})
+_RESOURCE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*")
+
+
 class HardwareSection(_Section):
     """The device pool: nodes x workers per node, each one device of the named preset."""
 
@@ -67,6 +73,12 @@ class HardwareSection(_Section):
     preset: str = "cpu"
     memory_per_device_gb: float | None = Field(default=None, gt=0)
     autoscaling: bool = Field(default=False, description="the cluster adds nodes on demand: wait for them")
+    pool: str = Field(
+        default="auto",
+        description="Ray custom resource of which every worker and the planner take one unit, so the plan runs on "
+                    "the devices it was made for: `auto` = the GPU preset's pool (a100-80gb -> A100_80GB), none "
+                    "on CPU; `any` = no pool resource; or the name your nodes advertise",
+    )
 
     @model_validator(mode="after")
     def _known_preset(self) -> "HardwareSection":
@@ -79,9 +91,34 @@ class HardwareSection(_Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _pool_is_a_custom_resource(self) -> "HardwareSection":
+        if self.pool in ("auto", "any"):
+            return self
+        if self.pool in RAY_BUILTIN_RESOURCES:
+            raise ValueError(
+                f"pool {self.pool!r} is a resource Ray defines for every node, not a device pool; name the custom "
+                "resource your pool's nodes advertise (e.g. A100_80GB), or use auto / any"
+            )
+        if not _RESOURCE_NAME.fullmatch(self.pool):
+            raise ValueError(
+                f"pool {self.pool!r} is not a Ray resource name; use letters, digits, '_', '.' or '-', starting "
+                "with a letter (e.g. A100_80GB), or auto / any"
+            )
+        return self
+
     @property
     def world_size(self) -> int:
         return self.nodes * self.workers_per_node
+
+    @property
+    def pool_resource(self) -> str | None:
+        """The custom resource every worker asks for: a GPU preset's name, upper-cased, unless named or `any`."""
+        if self.pool == "any":
+            return None
+        if self.pool == "auto":
+            return self.preset.upper().replace("-", "_") if self.accelerator == "gpu" else None
+        return self.pool
 
     @property
     def memory_per_device_bytes(self) -> int:

@@ -16,7 +16,7 @@ from rich.table import Table
 from osdp_planners import PlanResult
 from osdp_planners.plan import Plan
 from osdp_platform.checkpoint import check_resumable, find_resume_point
-from osdp_platform.cluster import check_cluster, check_local_devices, connect
+from osdp_platform.cluster import beside_the_driver, check_cluster, check_local_devices, connect, pool_request
 from osdp_platform.inbox import MetricsInbox, MetricsPump
 from osdp_platform.planning import plan_on_sample_worker, profile_json
 from osdp_platform.recipe import Recipe
@@ -150,14 +150,14 @@ def submit(recipe: Recipe, address: str | None = None, console: Console | None =
     if point is not None:
         tracker.record_resume(point.run_id, point.path, point.step)
         console.print(f"resuming run {point.run_id} at step {point.step} from {point.path}")
-    inbox = MetricsInbox.remote()
+    inbox = MetricsInbox.options(scheduling_strategy=beside_the_driver()).remote()  # type: ignore[attr-defined]
     trainer = TorchTrainer(
         train_fn,
         train_loop_config=dict(WorkerConfig(recipe=recipe, plan=plan, inbox=inbox,
                                             resume_from=point.path if point else None)),
         scaling_config=ScalingConfig(num_workers=recipe.hardware.world_size,
                                      use_gpu=recipe.hardware.accelerator == "gpu",
-                                     resources_per_worker={"CPU": 1}),
+                                     resources_per_worker={"CPU": 1, **pool_request(recipe.hardware)}),
         run_config=RunConfig(name=f"{recipe.name}-{tracker.run_id[:8]}",
                              storage_path=str(Path("runs").resolve()),
                              failure_config=FailureConfig(max_failures=recipe.train.max_failures)),
