@@ -39,12 +39,12 @@ def _parser() -> argparse.ArgumentParser:
                                     "or none)")
     plan.add_argument("--track", action="store_true", help="also record the plan as an MLflow run (no training), "
                                                            "to compare plans before spending GPU time")
-    sub.choices["submit"].add_argument("--address", help="Ray cluster: http://HEAD:8265 submits a job through the "
-                                                         "Jobs API (the current folder is shipped as its working "
-                                                         "directory), ray://HEAD:10001 connects as a Ray client, "
-                                                         "HOST:6379 joins from inside the cluster (default: "
-                                                         "$RAY_ADDRESS, else a local Ray)")
-    sub.choices["sweep"].add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS or local)")
+    for name in ("submit", "sweep"):
+        sub.choices[name].add_argument("--address", help="Ray cluster: http://HEAD:8265 runs the command as a job "
+                                                         "through the Jobs API (the current folder is shipped as "
+                                                         "its working directory), ray://HEAD:10001 connects as a "
+                                                         "Ray client, HOST:6379 joins from inside the cluster "
+                                                         "(default: $RAY_ADDRESS, else a local Ray)")
     sub.choices["submit"].add_argument("--resume", metavar="RUN_ID",
                                        help="continue from the last checkpoint of this earlier run (MLflow run "
                                             "id), as a new run; the plan and worker count may differ")
@@ -106,6 +106,18 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _as_job(args: argparse.Namespace, console: Console) -> int:
+    """submit / sweep with a Jobs API address: the same command runs on the cluster as the job's driver."""
+    from osdp_platform.remote import submit_job
+
+    if args.command == "sweep":
+        name, options = Path(args.recipe).stem, ["--format", args.format]
+    else:
+        name, options = load_recipe(args.recipe, args.overrides).name, ["--resume", args.resume] if args.resume else []
+    verbose = ["--verbose"] if args.verbose else []
+    return submit_job(name, args.command, args.recipe, [*args.overrides, *options, *verbose], args.address, console)
+
+
 def _run(args: argparse.Namespace, console: Console) -> int:
     if args.command == "compare":
         from osdp_platform.compare import compare
@@ -123,6 +135,12 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         return 0 if done else 1
     if args.command == "plan":
         return _plan(args, console)
+    if args.command in ("submit", "sweep"):
+        from osdp_platform.remote import is_jobs_api
+
+        args.address = args.address or os.environ.get("RAY_ADDRESS")
+        if args.address and is_jobs_api(args.address):
+            return _as_job(args, console)
     if args.command == "sweep":
         from osdp_platform.sweep import sweep
 
@@ -135,16 +153,11 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         console.print(recipe_to_yaml(recipe), markup=False)
         console.print(f"[green]ok[/]: {args.recipe} is valid")
         return 0
-    from osdp_platform.remote import is_jobs_api, submit_job
-
-    address = args.address or os.environ.get("RAY_ADDRESS")
-    if address and is_jobs_api(address):
-        return submit_job(recipe, args.recipe, args.overrides, address, args.resume, console)
     from osdp_platform.submit import ray_logs_hint, submit
 
     if not args.verbose:
         ray_logs_hint(console)
-    submit(recipe, address=address, console=console, resume=args.resume, verbose=args.verbose)
+    submit(recipe, address=args.address, console=console, resume=args.resume, verbose=args.verbose)
     return 0
 
 

@@ -1,8 +1,8 @@
 """Submit to a remote Ray cluster through its Jobs API (`--address http://HEAD:8265`).
 
 The client ships the project folder (the current directory) to the head as the job's working
-directory and runs `osdp-platform submit` there as the job's driver, so planning, training and
-tracking happen inside the cluster exactly as for a local run. The client only streams the job's
+directory and runs the same `osdp-platform submit` (or `sweep`) there as the job's driver, so
+planning, training and tracking happen inside the cluster exactly as for a local run. The client only streams the job's
 logs and returns its exit status: 0, 2 for a mistake the job reports as a user error, 1 otherwise.
 The run belongs to the cluster: Ctrl-C, or a laptop that goes away, stops following the job, not the job.
 """
@@ -18,7 +18,6 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 from rich.console import Console
 
 from osdp_planners.errors import UserError
-from osdp_platform.recipe import Recipe
 
 JOBS_API_SCHEMES = ("http://", "https://")
 STATUS_POLLS = 30
@@ -33,8 +32,8 @@ def is_jobs_api(address: str) -> bool:
     return address.startswith(JOBS_API_SCHEMES)
 
 
-def job_entrypoint(recipe_path: str, overrides: list[str], resume: str | None, project: Path) -> str:
-    """The driver command the head runs: the same submit, with the recipe relative to the shipped project."""
+def job_entrypoint(command: str, recipe_path: str, args: list[str], project: Path) -> str:
+    """The driver command the head runs: the same command, with the recipe relative to the shipped project."""
     path = Path(recipe_path).resolve()
     if not path.is_relative_to(project.resolve()):
         raise UserError(
@@ -42,10 +41,7 @@ def job_entrypoint(recipe_path: str, overrides: list[str], resume: str | None, p
             f"is outside the project folder {project} that is shipped to the cluster as the job's working directory",
             "run the command from a folder that contains the recipe (and any file it refers to)",
         )
-    argv = ["osdp-platform", "submit", path.relative_to(project.resolve()).as_posix(), *overrides]
-    if resume:
-        argv += ["--resume", resume]
-    return shlex.join(argv)
+    return shlex.join(["osdp-platform", command, path.relative_to(project.resolve()).as_posix(), *args])
 
 
 def _client(address: str) -> JobSubmissionClient:
@@ -65,15 +61,15 @@ async def _follow(client: JobSubmissionClient, job_id: str) -> None:
         sys.stdout.flush()
 
 
-def submit_job(recipe: Recipe, recipe_path: str, overrides: list[str], address: str, resume: str | None,
-               console: Console) -> int:
-    """Run `submit` as a job on the cluster at `address`, stream its logs, and return its exit status."""
+def submit_job(name: str, command: str, recipe_path: str, args: list[str], address: str, console: Console) -> int:
+    """Run `command` (submit, sweep) on `recipe_path` with `args` (overrides, options) as a job on the cluster
+    at `address`, stream its logs, and return its exit status. `name` (the recipe's) names the job."""
     project = Path.cwd()
-    entrypoint = job_entrypoint(recipe_path, overrides, resume, project)
+    entrypoint = job_entrypoint(command, recipe_path, args, project)
     client = _client(address)
     job_id = client.submit_job(
         entrypoint=entrypoint,
-        submission_id=f"osdp-{recipe.name}-{uuid.uuid4().hex[:8]}",
+        submission_id=f"osdp-{name}-{uuid.uuid4().hex[:8]}",
         runtime_env={"working_dir": str(project), "excludes": WORKING_DIR_EXCLUDES},
     )
     console.print(f"submitted job {job_id} to {address}: {entrypoint}", markup=False)

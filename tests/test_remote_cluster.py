@@ -154,10 +154,11 @@ def test_jobs_api_refuses_a_recipe_outside_the_shipped_folder(project: Path, tmp
     assert "outside the project folder" in err and "run the command from a folder that contains" in err
 
 
-def test_jobs_api_address_that_does_not_answer(project: Path, monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("command", ["submit", "sweep"])
+def test_jobs_api_address_that_does_not_answer(command: str, project: Path, monkeypatch: pytest.MonkeyPatch,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(project)
-    code = main(["submit", "recipes/tiny.yaml", "--address", "http://127.0.0.1:9"])
+    code = main([command, "recipes/tiny.yaml", "--address", "http://127.0.0.1:9"])
     assert code == 2
     err = capsys.readouterr().err
     assert "--address = 'http://127.0.0.1:9': no Ray Jobs API answers there" in err
