@@ -79,6 +79,10 @@ class HardwareSection(_Section):
                     "the devices it was made for: `auto` = the GPU preset's pool (a100-80gb -> A100_80GB), none "
                     "on CPU; `any` = no pool resource; or the name your nodes advertise",
     )
+    wait_for_nodes_s: float = Field(
+        default=600.0, gt=0, description="how long the planner actor waits to be placed (for an autoscaler to "
+                                         "start a node of the pool) before the run stops with an error",
+    )
 
     @model_validator(mode="after")
     def _known_preset(self) -> "HardwareSection":

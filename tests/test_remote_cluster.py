@@ -117,13 +117,21 @@ def test_jobs_api_submit_grows_the_pool_it_names_trains_and_lets_the_nodes_go(he
     _wait_until_no_workers(head, IDLE_TIMEOUT_S + 60)
 
 
-def test_a_user_error_inside_the_job_exits_2_on_the_client(head: RayHead, project: Path) -> None:
+@pytest.mark.parametrize(("autoscaling", "problem"), [
+    ("false", "nodes advertise 0"),
+    # the autoscaler has no node type with the pool: the planner waits hardware.wait_for_nodes_s, then stops
+    ("true", "no node with 1 CPU and 1 unit of 'POOL_C' free was there for the planner within 5 s"),
+])
+def test_a_user_error_inside_the_job_exits_2_on_the_client(head: RayHead, project: Path, autoscaling: str,
+                                                           problem: str) -> None:
     db = project / "mlflow.db"
-    result = run_cli("submit", "recipes/tiny.yaml", "hardware.pool=POOL_C", f"tracking.uri=sqlite:///{db}",
-                     "--address", head.dashboard_url, cwd=project, timeout=240)
+    result = run_cli("submit", "recipes/tiny.yaml", "hardware.pool=POOL_C", f"hardware.autoscaling={autoscaling}",
+                     "hardware.wait_for_nodes_s=5", f"tracking.uri=sqlite:///{db}", "--address", head.dashboard_url,
+                     cwd=project, timeout=240)
     out = result.stdout + result.stderr
     assert result.returncode == 2, out[-4000:]
-    assert "hardware.pool = 'POOL_C'" in out and "nodes advertise 0" in out
+    assert "hardware.pool = 'POOL_C'" in out and problem in out, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
     assert not db.exists(), "a run was started for a pool the cluster cannot provide"
 
 
