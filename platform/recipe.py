@@ -14,29 +14,45 @@ class _Section(BaseModel):
 
 
 class ModelSection(_Section):
-    """Either a zoo entry (family + size) or the user's own factory (target + kwargs)."""
+    """One model source: a zoo entry (family + size), a Hugging Face config, or the user's own factory."""
 
     family: str | None = None
     size: str | None = None
+    hf_config: dict[str, Any] | str | None = Field(
+        default=None, description="a transformers config: inline fields with model_type (e.g. llama, gpt2), or "
+                                  "the path of a local config.json; built by AutoModelForCausalLM, never downloaded")
     target: str | None = Field(default=None, description='"package.module:factory" returning an nn.Module')
-    kwargs: dict[str, Any] = Field(default_factory=dict)
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="overrides of the preset or config fields, "
+                                                                     "or the factory's keyword arguments")
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelSection":
         zoo = self.family is not None or self.size is not None
-        if zoo and self.target is not None:
-            raise ValueError("give either family+size (the zoo) or target (your own factory), not both")
-        if not zoo and self.target is None:
-            raise ValueError("give family+size (e.g. family: llama, size: tiny) or target: 'pkg.module:factory'")
+        sources = [name for name, given in (("family+size", zoo), ("hf_config", self.hf_config is not None),
+                                            ("target", self.target is not None)) if given]
+        if len(sources) > 1:
+            raise ValueError(f"give one model source, not {' and '.join(sources)}")
+        if not sources:
+            raise ValueError("give family+size (e.g. family: llama, size: tiny), hf_config (a transformers config) "
+                             "or target: 'pkg.module:factory'")
         if zoo and (self.family is None or self.size is None):
             raise ValueError("a zoo model needs both family and size")
         if self.target is not None and ":" not in self.target:
             raise ValueError(f"target {self.target!r} must look like 'package.module:factory'")
+        if isinstance(self.hf_config, dict) and not self.hf_config.get("model_type"):
+            raise ValueError("an inline hf_config needs model_type (e.g. llama, gpt2)")
+        if isinstance(self.hf_config, str) and not Path(self.hf_config).exists():
+            raise ValueError(f"hf_config {self.hf_config!r} does not exist (give a local config.json or its folder)")
         return self
 
     @property
     def label(self) -> str:
-        return self.target if self.target else f"{self.family}-{self.size}"
+        if self.target:
+            return self.target
+        if self.hf_config is not None:
+            kind = self.hf_config.get("model_type") if isinstance(self.hf_config, dict) else self.hf_config
+            return f"hf:{kind}"
+        return f"{self.family}-{self.size}"
 
 
 class DataSection(_Section):

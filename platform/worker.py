@@ -16,11 +16,10 @@ from pydantic import BaseModel, ConfigDict
 
 from osdp_planners.local_ranks import pin_to_core
 from osdp_planners.plan import Plan
-from osdp_platform.apply import apply_plan
 from osdp_platform.checkpoint import CheckpointSaved, restore, save_and_report, should_save
 from osdp_platform.data import BatchSampler, load_tokens
 from osdp_platform.memory import measure_step_peak
-from osdp_platform.models import build_model
+from osdp_platform.models import build_sharded
 from osdp_platform.progress import MetricsSender
 from osdp_platform.recipe import Recipe
 from osdp_platform.step import Batch, build_optimizer, train_step
@@ -99,8 +98,7 @@ def train_loop(config: dict[str, Any], before_step: Callable[[int], None] | None
         pin_to_core(ctx.get_local_rank(), ctx.get_local_world_size())
 
     torch.manual_seed(recipe.train.seed)
-    model = build_model(recipe.model, "cpu")
-    apply_plan(model, plan, device.type)
+    model = build_sharded(recipe.model, plan, device)
     optimizer = build_optimizer(model, recipe.train)
     saved = ray.get(cfg.inbox.latest_checkpoint.remote()) if cfg.inbox is not None else None
     first = restore(model, optimizer, saved.path if saved else None, cfg.resume_from)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from torch import nn
+import torch
 
 from . import gpt2, llama, opt
 from .layers import ZooConfig, ZooModel
@@ -41,10 +41,25 @@ def zoo_config(family: str, size: str, **overrides: int | float | None) -> ZooCo
     return dataclasses.replace(sizes[size], **{k: v for k, v in overrides.items() if v is not None})
 
 
-def build_zoo_model(family: str, size: str, **overrides: int | float | None) -> nn.Module:
-    """Construct and initialise a zoo model on the current default device."""
+def zoo_skeleton(family: str, size: str, **overrides: int | float | None) -> ZooModel:
+    """A zoo model with every parameter on meta: no memory, no RNG drawn (zoo models hold no buffers)."""
     config = zoo_config(family, size, **overrides)
-    return _MODELS[family](config)
+    with torch.device("meta"):
+        return _MODELS[family](config)
 
 
-__all__ = ["FAMILIES", "ZooConfig", "ZooModel", "build_zoo_model", "zoo_config", "zoo_sizes"]
+def build_zoo_model(family: str, size: str, **overrides: int | float | None) -> ZooModel:
+    """Construct a zoo model on the current default device, initialised by `init_weights` alone.
+
+    Construction happens on meta, so PyTorch's default initialisers draw nothing from the RNG: the
+    weights depend only on the RNG state at the call, exactly as a sharded meta-device build's do.
+    """
+    model = zoo_skeleton(family, size, **overrides)
+    device = torch.get_default_device()
+    if device.type != "meta":
+        model.to_empty(device=device)
+        model.init_weights()
+    return model
+
+
+__all__ = ["FAMILIES", "ZooConfig", "ZooModel", "build_zoo_model", "zoo_config", "zoo_sizes", "zoo_skeleton"]
