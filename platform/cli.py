@@ -1,4 +1,4 @@
-"""The `osdp-platform` command: validate, plan and submit recipes. User mistakes exit 2 with one message."""
+"""The `osdp-platform` command: validate, plan and submit recipes, prepare token files. User mistakes exit 2."""
 
 import argparse
 import sys
@@ -25,13 +25,29 @@ def _parser() -> argparse.ArgumentParser:
     sub.choices["plan"].add_argument("--png", help="write the predicted memory timeline here (default: plan.png "
                                                    "beside --out, or none)")
     sub.choices["submit"].add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS or local)")
+    prepare = sub.add_parser("prepare", help="tokenize text files into token files (data.source: token_files)")
+    prepare.add_argument("files", nargs="+", help="text files, one token file each")
+    prepare.add_argument("--out", required=True, help="folder for the token files and their tokens.json")
+    prepare.add_argument("--tokenizer", default="bytes", help="bytes, bpe (shipped) or a tokenizers JSON file")
     sub.choices["submit"].add_argument("--resume", metavar="RUN_ID",
                                        help="continue from the last checkpoint of this earlier run (MLflow run "
                                             "id), as a new run; the plan and worker count may differ")
     return parser
 
 
+def _prepare(args: argparse.Namespace, console: Console) -> int:
+    from osdp_platform.data import TokenFiles
+
+    prepared = TokenFiles.prepare([Path(f) for f in args.files], args.tokenizer, Path(args.out))
+    console.print(f"{len(prepared.files)} token file(s) ({prepared.dtype}, vocab {prepared.vocab_size}, tokenizer "
+                  f"{prepared.tokenizer}) in {prepared.folder}: use data.source=token_files "
+                  f"data.path={prepared.folder}", markup=False)
+    return 0
+
+
 def _run(args: argparse.Namespace, console: Console) -> int:
+    if args.command == "prepare":
+        return _prepare(args, console)
     recipe = load_recipe(args.recipe, args.overrides)
     if args.command == "validate":
         from osdp_platform.recipe_loader import recipe_to_yaml

@@ -16,13 +16,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._guards import detect_fake_mode
 
 from osdp_planners.errors import UserError
 from osdp_planners.plan import Plan
 from osdp_platform.apply import Meshes, apply_plan
 from osdp_platform.meta_init import init_protocol, initialize, scatter_into
 from osdp_platform.recipe import ModelSection
-from osdp_platform.zoo import zoo_skeleton
+from osdp_platform.zoo import zoo_module
 
 
 def _import_factory(target: str) -> Callable[..., Any]:
@@ -83,7 +84,7 @@ def _hf_model(section: ModelSection) -> nn.Module:
 def _construct(section: ModelSection) -> nn.Module:
     if section.family is not None:
         try:
-            return zoo_skeleton(str(section.family), str(section.size), **section.kwargs)
+            return zoo_module(str(section.family), str(section.size), **section.kwargs)
         except ValueError as exc:
             raise UserError("model", section.model_dump(exclude_none=True), str(exc),
                             "pick a family, size and options from the lists above") from None
@@ -119,6 +120,9 @@ def build_model(section: ModelSection, device: str | torch.device = "cpu") -> nn
     On meta nothing is initialised (planning). Elsewhere a model with an init protocol is initialised
     module by module exactly as `build_sharded` does; one without is built by its own constructor.
     """
+    if detect_fake_mode() is not None:  # profiling on fake tensors: no values to draw
+        with torch.device(device):
+            return _construct(section)
     rng = torch.get_rng_state()
     model = _skeleton(section)
     if torch.device(device).type == "meta":

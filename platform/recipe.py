@@ -4,7 +4,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
 from osdp_planners.hardware import PRESETS
 
@@ -31,7 +31,7 @@ class ModelSection(_Section):
         sources = [name for name, given in (("family+size", zoo), ("hf_config", self.hf_config is not None),
                                             ("target", self.target is not None)) if given]
         if len(sources) > 1:
-            raise ValueError(f"give one model source, not {' and '.join(sources)}")
+            raise ValueError(f"give one model source, not both {' and '.join(sources)}")
         if not sources:
             raise ValueError("give family+size (e.g. family: llama, size: tiny), hf_config (a transformers config) "
                              "or target: 'pkg.module:factory'")
@@ -56,21 +56,44 @@ class ModelSection(_Section):
 
 
 class DataSection(_Section):
-    """Token source: synthetic tokens, the bundled corpus, or the user's text file (byte tokenizer)."""
+    """Token source and tokenizer: synthetic tokens, the bundled corpus, a text file, or prepared token files."""
 
-    source: Literal["synthetic", "corpus", "text_file"] = "corpus"
-    path: str | None = None
+    source: Literal["synthetic", "corpus", "text_file", "token_files"] = Field(
+        default="corpus", description="token_files: a folder written by `osdp-platform prepare`")
+    path: str | None = Field(default=None, description="the text file (text_file) or the folder (token_files)")
+    tokenizer: str | None = Field(
+        default=None, description="bytes (the default, vocab 256), bpe (shipped, trained on the corpus, vocab "
+                                  "1024) or a tokenizers JSON file; token files carry their own")
     seq_len: int = Field(default=64, ge=2)
 
+    @field_validator("path", "tokenizer")
+    @classmethod
+    def _absolute(cls, value: str | None) -> str | None:
+        """Existing local files are named absolutely: Ray workers do not run in the driver's folder."""
+        if value is None or value in ("bytes", "bpe") or not Path(value).exists():
+            return value
+        return str(Path(value).resolve())
+
     @model_validator(mode="after")
-    def _path_for_text_file(self) -> "DataSection":
+    def _source_inputs(self) -> "DataSection":
         if self.source == "text_file":
             if not self.path:
                 raise ValueError("source text_file needs path: the text file to train on")
             if not Path(self.path).is_file():
                 raise ValueError(f"text file {self.path!r} does not exist")
+        elif self.source == "token_files":
+            if not self.path:
+                raise ValueError("source token_files needs path: a folder written by `osdp-platform prepare`")
+            if not Path(self.path, "tokens.json").is_file():
+                raise ValueError(f"{self.path!r} holds no tokens.json: write it with `osdp-platform prepare "
+                                 "--tokenizer ... --out DIR FILES...`")
+            if self.tokenizer is not None:
+                raise ValueError("token files carry the tokenizer that made them (tokens.json): remove "
+                                 "data.tokenizer")
         elif self.path is not None:
-            raise ValueError(f"path is only used with source: text_file (source is {self.source!r})")
+            raise ValueError(f"path is only used with source text_file or token_files (source is {self.source!r})")
+        if self.source == "synthetic" and self.tokenizer not in (None, "bytes"):
+            raise ValueError("synthetic data is byte ids: remove data.tokenizer")
         return self
 
 
@@ -132,6 +155,12 @@ class TrainSection(_Section):
     seed: int = 0
     precision: Literal["fp32", "bf16-mixed"] = "fp32"
     checkpoint_every: int = Field(default=0, ge=0, description="steps between checkpoints; 0 = never")
+    checkpoint_dir: str | None = Field(
+        default=None, description="where checkpoints are stored, reachable from every worker: a path (shared "
+                                  "on a cluster) or a URI Ray Train storage supports (s3://, gs://, ...); "
+                                  "default: runs/ beside the driver")
+    checkpoints_to_keep: PositiveInt | None = Field(default=None, description="keep only the newest N; "
+                                                                             "default: all")
     max_failures: int = Field(default=1, ge=-1, description="worker-failure restarts from the last checkpoint; "
                                                          "-1 = unlimited")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch._guards import detect_fake_mode
 
 from . import gpt2, llama, opt
 from .layers import ZooConfig, ZooModel
@@ -41,11 +42,10 @@ def zoo_config(family: str, size: str, **overrides: int | float | None) -> ZooCo
     return dataclasses.replace(sizes[size], **{k: v for k, v in overrides.items() if v is not None})
 
 
-def zoo_skeleton(family: str, size: str, **overrides: int | float | None) -> ZooModel:
-    """A zoo model with every parameter on meta: no memory, no RNG drawn (zoo models hold no buffers)."""
-    config = zoo_config(family, size, **overrides)
-    with torch.device("meta"):
-        return _MODELS[family](config)
+def zoo_module(family: str, size: str, **overrides: int | float | None) -> ZooModel:
+    """Construct on the current default device with PyTorch's default initialisers (no `init_weights`)."""
+    config = zoo_config(family, size, **overrides)  # validates the family before it is looked up
+    return _MODELS[family](config)
 
 
 def build_zoo_model(family: str, size: str, **overrides: int | float | None) -> ZooModel:
@@ -53,13 +53,16 @@ def build_zoo_model(family: str, size: str, **overrides: int | float | None) -> 
 
     Construction happens on meta, so PyTorch's default initialisers draw nothing from the RNG: the
     weights depend only on the RNG state at the call, exactly as a sharded meta-device build's do.
+    On meta or on fake tensors (profiling) there are no values to draw.
     """
-    model = zoo_skeleton(family, size, **overrides)
     device = torch.get_default_device()
-    if device.type != "meta":
-        model.to_empty(device=device)
-        model.init_weights()
+    if device.type == "meta" or detect_fake_mode() is not None:
+        return zoo_module(family, size, **overrides)
+    with torch.device("meta"):
+        model = zoo_module(family, size, **overrides)
+    model.to_empty(device=device)
+    model.init_weights()
     return model
 
 
-__all__ = ["FAMILIES", "ZooConfig", "ZooModel", "build_zoo_model", "zoo_config", "zoo_sizes", "zoo_skeleton"]
+__all__ = ["FAMILIES", "ZooConfig", "ZooModel", "build_zoo_model", "zoo_config", "zoo_module", "zoo_sizes"]
