@@ -2,7 +2,10 @@
 
 Where they live: each rank writes its own DCP shard files into a local temp dir and reports it with
 `ray.train.report`; Ray Train V2 copies every rank's files into one folder,
-`runs/<name>-<runid8>/checkpoint_<next step>` (rank 0 adds DCP's `.metadata`). After a worker
+`<train.checkpoint_dir>/<name>-<runid8>/checkpoint_<next step>` (rank 0 adds DCP's `.metadata`).
+`train.checkpoint_dir` is a path or a URI Ray Train's storage supports (s3://, gs://, ...), by
+default `runs/` beside the driver; on a cluster it must be reachable from every worker, since a
+restarted worker may run on another node. Ray Train keeps the newest `train.checkpoints_to_keep`. After a worker
 failure Ray Train restarts the workers, but it registers a checkpoint only when its controller next
 polls every worker (every 2 s): a worker that dies sooner after reporting loses it, and the restart
 would begin again from step 0. So rank 0 also hands each stored folder to the driver's inbox
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow.fs
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -34,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from osdp_planners.errors import UserError
 from osdp_planners.plan import Plan
-from osdp_platform.recipe import Recipe
+from osdp_platform.recipe import Recipe, TrainSection
 
 CHECKPOINT_PATH_TAG = "checkpoint_path"
 CHECKPOINT_STEP_TAG = "checkpoint_step"
@@ -58,6 +62,24 @@ class ResumePoint:
     plan: Plan  # the plan the checkpoint was written under
 
 
+def storage_root(train: TrainSection) -> str:
+    """Ray Train's storage_path: the URI as given, a local path made absolute (workers run elsewhere)."""
+    if train.checkpoint_dir and "://" in train.checkpoint_dir:
+        return train.checkpoint_dir.rstrip("/")
+    return str(Path(train.checkpoint_dir or "runs").expanduser().resolve())
+
+
+def _is_complete(location: str) -> bool:
+    """Whether a checkpoint folder (path or URI) holds DCP's `.metadata`, which rank 0 writes last."""
+    if "://" not in location:
+        return (Path(location) / ".metadata").is_file()
+    try:
+        fs, path = pyarrow.fs.FileSystem.from_uri(location)
+        return fs.get_file_info(f"{path}/.metadata").type == pyarrow.fs.FileType.File
+    except (OSError, ValueError, pyarrow.ArrowException):
+        return False
+
+
 def should_save(step: int, every: int, steps: int) -> bool:
     """Save after every `every`-th step and after the last one (so a finished run can be extended)."""
     return every > 0 and ((step + 1) % every == 0 or step + 1 == steps)
@@ -70,32 +92,33 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer, step: torch.Tenso
 
 
 def save_and_report(model: nn.Module, optimizer: torch.optim.Optimizer, next_step: int,
-                    metrics: dict[str, float]) -> str | None:
-    """Write this rank's shards, report them to Ray Train; rank 0 returns the stored folder once complete."""
+                    metrics: dict[str, float], root: str) -> str | None:
+    """Write this rank's shards, report them to Ray Train; rank 0 returns the stored folder (a path or URI
+    under `root`, Ray Train's storage_path) once every rank's files are there."""
     import ray.train
     from ray.train import Checkpoint
 
+    name = f"checkpoint_{next_step:06d}"
     with tempfile.TemporaryDirectory(prefix="osdp-ckpt-") as tmp:
         dcp.save(_state(model, optimizer, torch.tensor(next_step)), checkpoint_id=tmp)
-        ray.train.report(metrics, checkpoint=Checkpoint.from_directory(tmp),
-                         checkpoint_dir_name=f"checkpoint_{next_step:06d}")
+        ray.train.report(metrics, checkpoint=Checkpoint.from_directory(tmp), checkpoint_dir_name=name)
     dist.barrier()  # a synchronous report returns after this rank's upload: now every rank's files are stored
     if ray.train.get_context().get_world_rank() != 0:
         return None
-    stored = ray.train.get_checkpoint()
-    return stored.path if stored is not None else None
+    return f"{root}/{ray.train.get_context().get_experiment_name()}/{name}"
 
 
 def restore(model: nn.Module, optimizer: torch.optim.Optimizer, own: str | None, resume_from: str | None) -> int:
     """Load the newest state: this run's own checkpoint (`own`, from the inbox, else the one Ray Train
     registered), else `resume_from` (an earlier run's). Returns the step to continue at (0: nothing loaded).
+    `own` and `resume_from` are paths or URIs; a remote checkpoint is downloaded to a temp folder first.
     """
     import ray.train
     from ray.train import Checkpoint
 
-    checkpoint = Checkpoint.from_directory(own) if own else ray.train.get_checkpoint()
+    checkpoint = Checkpoint(own) if own else ray.train.get_checkpoint()
     if checkpoint is None and resume_from:
-        checkpoint = Checkpoint.from_directory(resume_from)
+        checkpoint = Checkpoint(resume_from)
     if checkpoint is None:
         return 0
     step = torch.tensor(0)
@@ -125,9 +148,10 @@ def find_resume_point(recipe: Recipe, run_id: str) -> ResumePoint:
                         "resume a run submitted with train.checkpoint_every > 0 that got past its first "
                         "checkpoint, or submit without --resume")
     path = tags[CHECKPOINT_PATH_TAG]
-    if not (Path(path) / ".metadata").is_file():
+    if not _is_complete(path):
         raise UserError("--resume", run_id, f"its checkpoint folder {path} is gone or incomplete",
-                        "restore the runs/ folder that run wrote, or submit without --resume")
+                        "restore the checkpoint folder that run wrote (train.checkpoint_dir, default runs/), "
+                        "or submit without --resume")
     step = int(tags[CHECKPOINT_STEP_TAG])
     if recipe.train.steps <= step:
         raise UserError("train.steps", recipe.train.steps, f"the checkpoint of run {run_id} is already at step {step}",

@@ -63,6 +63,7 @@ class WorkerConfig(BaseModel):
     plan: Plan
     inbox: Any = None  # the driver's MetricsInbox actor handle (progress.py); None: metrics are not sent
     resume_from: str | None = None  # an earlier run's checkpoint folder (submit --resume)
+    checkpoint_root: str = "runs"  # Ray Train's storage_path (checkpoint.storage_root): where checkpoints go
 
 
 def _per_rank(elapsed: float, peak: int | None, world: int, device: torch.device) -> tuple[list[float], list[float]]:
@@ -138,7 +139,7 @@ def train_loop(config: dict[str, Any], before_step: Callable[[int], None] | None
         if sender is not None:
             sender.send((step, metrics.as_dict()))
         if should_save(step, recipe.train.checkpoint_every, recipe.train.steps):
-            path = save_and_report(model, optimizer, step + 1, metrics.as_dict())
+            path = save_and_report(model, optimizer, step + 1, metrics.as_dict(), cfg.checkpoint_root)
             if path is not None and sender is not None:
                 sender.send(CheckpointSaved(step + 1, path))
     if sender is not None:

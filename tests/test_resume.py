@@ -1,8 +1,9 @@
 """Checkpoint and resume on real Ray Train workers: DCP files, a killed worker, `--resume` under a new plan.
 
 Three trainings share one MLflow store: an uninterrupted reference (8 steps, 2 workers, ZeRO-3), a run
-whose worker 1 exits hard before step 3 on its first attempt (checkpoints every 2 steps), and a
-`--resume` of that run on 4 workers under DDP. Both must reproduce the reference's per-step losses.
+whose worker 1 exits hard before step 3 on its first attempt (checkpoints every 2 steps, stored under a
+`file://` URI as train.checkpoint_dir, only the newest kept), and a `--resume` of that run on 4 workers
+under DDP. Both must reproduce the reference's per-step losses.
 """
 
 import os
@@ -81,8 +82,9 @@ def reference(store: Store) -> list[float]:
 
 @pytest.fixture(scope="module")
 def faulty(store: Store) -> RunSummary:
-    recipe = load_recipe(RECIPES / "tiny.yaml", store.overrides(f"train.steps={FAULT_STEPS}",
-                                                                "train.checkpoint_every=2"))
+    recipe = load_recipe(RECIPES / "tiny.yaml", store.overrides(
+        f"train.steps={FAULT_STEPS}", "train.checkpoint_every=2", f"train.checkpoint_dir=file://{store.root}/ckpts",
+        "train.checkpoints_to_keep=1"))
     return submit(recipe, train_fn=KillOnce(str(store.root / "killed"), FAULT_AT))
 
 
@@ -97,9 +99,15 @@ def test_killed_worker_resumes_from_last_checkpoint(store: Store, reference: lis
     assert [s["loss"] for s in faulty.steps] == pytest.approx(reference[:FAULT_STEPS], rel=1e-6)
     tags = MlflowClient(store.uri).get_run(faulty.run_id).data.tags
     assert tags["checkpoint_step"] == str(FAULT_STEPS)
-    folder = Path(tags["checkpoint_path"])
-    assert folder.name == f"checkpoint_{FAULT_STEPS:06d}" and folder.parent.parent == store.root / "runs"
+    uri = tags["checkpoint_path"]
+    assert uri.startswith(f"file://{store.root}/ckpts/")
+    folder = Path(uri.removeprefix("file://"))
+    assert folder.name == f"checkpoint_{FAULT_STEPS:06d}" and folder.parent.parent == store.root / "ckpts"
     assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= {p.name for p in folder.iterdir()}
+    kept = {p.name for p in folder.parent.iterdir() if p.name.startswith("checkpoint_")}
+    # checkpoints_to_keep=1: Ray Train deleted step 4's when step 6's registered (step 2's stays if the kill
+    # came before Ray Train registered it: it only knows what it registered)
+    assert folder.name in kept and "checkpoint_000004" not in kept
 
 
 def test_resume_under_another_plan_and_worker_count(store: Store, reference: list[float],
