@@ -51,7 +51,7 @@ class ModelSection(_Section):
             return self.target
         if self.hf_config is not None:
             kind = self.hf_config.get("model_type") if isinstance(self.hf_config, dict) else self.hf_config
-            return f"hf:{kind}"
+            return f"hf-{kind}"
         return f"{self.family}-{self.size}"
 
 
