@@ -138,7 +138,8 @@ def _check_set(name: str, value: torch.Tensor) -> None:
 
 
 def _units(model: nn.Module) -> tuple[list[_Unit], dict[str, int]]:
-    """The reference's sharding units as parameter lists, and module path -> index of its unit (root: -1)."""
+    """The reference's sharding units as parameter lists, and module path -> index of the unit it lies in
+    (paths outside every unit, the containers above them, are absent: their own parameters are the root's)."""
     units: list[_Unit] = []
     unit_of: dict[str, int] = {}
     owned: set[int] = set()
@@ -176,7 +177,8 @@ def initialize(model: nn.Module, protocol: InitProtocol, emit: Emit | None = Non
     for i, (path, _) in enumerate(order):
         if path in unit_of:
             units[unit_of[path]].last_visit = i
-    root = _Unit([p for p in model.parameters() if id(p) not in {id(q) for u in units for q in u.params}])
+    in_units = {id(p) for u in units for p in u.params}
+    root = _Unit([p for p in model.parameters() if id(p) not in in_units])
     walk = _Walk(emit, names, owners)
     for i, (path, module) in enumerate(order):
         unit = units[unit_of[path]] if path in unit_of else root
