@@ -31,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     prepare.add_argument("--tokenizer", default="bytes", help="bytes, bpe (shipped) or a tokenizers JSON file")
     sub.choices["submit"].add_argument("--resume", metavar="RUN_ID",
                                        help="continue from the last checkpoint of this earlier run (MLflow run "
-                                            "id), as a new run; the plan and worker count may differ")
+                                            "id), as a new run; the plan, worker count and split factors may differ")
     return parser
 
 

@@ -61,9 +61,9 @@ class WorkerConfig(BaseModel):
 
     recipe: Recipe
     plan: Plan
+    checkpoint_root: str  # Ray Train's storage_path (checkpoint.storage_root): where checkpoints go
     inbox: Any = None  # the driver's MetricsInbox actor handle (progress.py); None: metrics are not sent
     resume_from: str | None = None  # an earlier run's checkpoint folder (submit --resume)
-    checkpoint_root: str = "runs"  # Ray Train's storage_path (checkpoint.storage_root): where checkpoints go
 
 
 def _per_rank(elapsed: float, peak: int | None, world: int, device: torch.device) -> tuple[list[float], list[float]]:
