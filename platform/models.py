@@ -166,8 +166,3 @@ def build_sharded(section: ModelSection, plan: Plan, device: torch.device, meshe
             b.copy_(buffers[name])
     return model
 
-
-def model_vocab_size(model: nn.Module) -> int | None:
-    """The vocabulary a model's config declares (zoo and Hugging Face models), or None when it has no config."""
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    return int(vocab) if isinstance(vocab, int) else None
