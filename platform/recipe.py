@@ -25,6 +25,12 @@ class ModelSection(_Section):
     kwargs: dict[str, Any] = Field(default_factory=dict, description="overrides of the preset or config fields, "
                                                                      "or the factory's keyword arguments")
 
+    @field_validator("hf_config")
+    @classmethod
+    def _absolute(cls, value: dict[str, Any] | str | None) -> dict[str, Any] | str | None:
+        """A local config path is named absolutely: Ray workers do not run in the driver's folder."""
+        return str(Path(value).resolve()) if isinstance(value, str) and Path(value).exists() else value
+
     @model_validator(mode="after")
     def _one_source(self) -> "ModelSection":
         zoo = self.family is not None or self.size is not None
