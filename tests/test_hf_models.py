@@ -5,6 +5,7 @@ layers) under DDP, ZeRO-3 and the OSDP planner's plan. Each must start from exac
 single-process build and reproduce the losses of one process fed the whole global batch.
 """
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -142,3 +143,14 @@ def test_target_factories_with_and_without_an_init_protocol() -> None:
     own = plain_lm()
     assert init_protocol(built) is None
     assert all(torch.equal(a, b) for a, b in zip(built.state_dict().values(), own.state_dict().values(), strict=True))
+
+
+def test_hf_config_from_a_local_config_file(tmp_path: Path) -> None:
+    from transformers import LlamaConfig
+
+    LlamaConfig(**{k: v for k, v in LLAMA.items() if k != "model_type"}).save_pretrained(tmp_path)
+    from_file = build_model(ModelSection.model_validate({"hf_config": str(tmp_path)}), "meta")
+    inline = build_model(ModelSection.model_validate({"hf_config": LLAMA}), "meta")
+    assert type(from_file) is type(inline)
+    shapes = [[(n, p.shape) for n, p in m.named_parameters()] for m in (from_file, inline)]
+    assert shapes[0] == shapes[1] and shapes[0]
