@@ -125,7 +125,7 @@ def _in_fresh_process(call: str) -> Any:
     return json.loads(line.removeprefix("RESULT"))
 
 
-@pytest.mark.parametrize(("world", "rank"), [(2, 1), (4, 3), (3, 1)])
+@pytest.mark.parametrize(("world", "rank"), [(4, 3), (3, 1)])  # 2 workers: test_equivalence, test_hf_models
 def test_sharded_build_holds_the_single_process_weights(world: int, rank: int) -> None:
     assert _in_fresh_process(f"check_rank({world}, {rank})") == []
 
