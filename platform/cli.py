@@ -1,4 +1,5 @@
-"""The `osdp-platform` command: validate, plan, submit and sweep recipes; compare runs; open MLflow's UI.
+"""The `osdp-platform` command: validate, plan, submit and sweep recipes; compare runs; open MLflow's UI;
+prepare token files.
 
 User mistakes exit 2 with one message. Ray's own logs, the workers' output and torch's FutureWarnings
 stay off the terminal unless --verbose.
@@ -47,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
                                                          "(default: $RAY_ADDRESS, else a local Ray)")
     sub.choices["submit"].add_argument("--resume", metavar="RUN_ID",
                                        help="continue from the last checkpoint of this earlier run (MLflow run "
-                                            "id), as a new run; the plan and worker count may differ")
+                                            "id), as a new run; the plan, worker count and split factors may differ")
     sub.choices["sweep"].add_argument("--format", choices=FORMATS, default="table", help="of the comparison")
     cmp = sub.add_parser("compare", help="runs side by side: predicted and measured throughput and memory",
                          parents=[common])
@@ -62,6 +63,11 @@ def _parser() -> argparse.ArgumentParser:
     sync = sub.add_parser("sync", help="upload the MLflow writes a run kept locally while its server was away",
                           parents=[common])
     sync.add_argument("folder", help="the folder the run's warning named (mlflow-pending/<run id>)")
+    prepare = sub.add_parser("prepare", help="tokenize text files into token files (data.source: token_files)",
+                             parents=[common])
+    prepare.add_argument("files", nargs="+", help="text files, one token file each")
+    prepare.add_argument("--out", required=True, help="folder for the token files and their tokens.json")
+    prepare.add_argument("--tokenizer", default="bytes", help="bytes, bpe (shipped) or a tokenizers JSON file")
     return parser
 
 
@@ -106,6 +112,16 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _prepare(args: argparse.Namespace, console: Console) -> int:
+    from osdp_platform.data import TokenFiles
+
+    prepared = TokenFiles.prepare([Path(f) for f in args.files], args.tokenizer, Path(args.out))
+    console.print(f"{len(prepared.files)} token file(s) ({prepared.dtype}, vocab {prepared.vocab_size}, tokenizer "
+                  f"{prepared.tokenizer}) in {prepared.folder}: use data.source=token_files "
+                  f"data.path={prepared.folder}", markup=False)
+    return 0
+
+
 def _as_job(args: argparse.Namespace, console: Console) -> int:
     """submit / sweep with a Jobs API address: the same command runs on the cluster as the job's driver."""
     from osdp_platform.remote import submit_job
@@ -119,6 +135,8 @@ def _as_job(args: argparse.Namespace, console: Console) -> int:
 
 
 def _run(args: argparse.Namespace, console: Console) -> int:
+    if args.command == "prepare":
+        return _prepare(args, console)
     if args.command == "compare":
         from osdp_platform.compare import compare
 

@@ -4,10 +4,9 @@ import statistics
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from ray.train import FailureConfig, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -15,7 +14,7 @@ from rich.table import Table
 
 from osdp_planners import PlanResult
 from osdp_planners.plan import Plan
-from osdp_platform.checkpoint import check_resumable, find_resume_point
+from osdp_platform.checkpoint import check_resumable, find_resume_point, storage_root
 from osdp_platform.cluster import beside_the_driver, check_cluster, check_local_devices, connect, pool_request
 from osdp_platform.inbox import MetricsInbox, MetricsPump
 from osdp_platform.planning import plan_on_sample_worker, profile_json
@@ -154,12 +153,14 @@ def submit(recipe: Recipe, address: str | None = None, console: Console | None =
     trainer = TorchTrainer(
         train_fn,
         train_loop_config=dict(WorkerConfig(recipe=recipe, plan=plan, inbox=inbox,
-                                            resume_from=point.path if point else None)),
+                                            resume_from=point.path if point else None,
+                                            checkpoint_root=storage_root(recipe.train))),
         scaling_config=ScalingConfig(num_workers=recipe.hardware.world_size,
                                      use_gpu=recipe.hardware.accelerator == "gpu",
                                      resources_per_worker={"CPU": 1, **pool_request(recipe.hardware)}),
         run_config=RunConfig(name=f"{recipe.name}-{tracker.run_id[:8]}",
-                             storage_path=str(Path("runs").resolve()),
+                             storage_path=storage_root(recipe.train),
+                             checkpoint_config=CheckpointConfig(num_to_keep=recipe.train.checkpoints_to_keep),
                              failure_config=FailureConfig(max_failures=recipe.train.max_failures)),
     )
     try:
