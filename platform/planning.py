@@ -13,6 +13,7 @@ from osdp_planners import PlanRequest, PlanResult, make_plan_for
 from osdp_planners.errors import UserError
 from osdp_planners.hardware import get_preset
 from osdp_platform.cluster import pool_request
+from osdp_platform.data import data_vocab_size
 from osdp_platform.models import build_model
 from osdp_platform.recipe import Recipe
 
@@ -35,6 +36,7 @@ def plan_request(recipe: Recipe) -> PlanRequest:
         optimizer=t.optimizer,
         hsdp_group_size=recipe.planner.hsdp_group_size,
         plan_file=recipe.planner.plan_file,
+        token_range=data_vocab_size(recipe.data),  # profile on the ids the tokenizer produces, not only bytes
     )
 
 

@@ -15,6 +15,7 @@ from helpers import RECIPES
 from osdp_planners.errors import UserErrors
 from osdp_platform.cli import EXIT_USER_ERROR, main
 from osdp_platform.data import CORPUS_PATH, BatchSampler, Tokens, load_tokens
+from osdp_platform.planning import plan_request
 from osdp_platform.recipe_loader import load_recipe
 from osdp_platform.submit import submit
 from osdp_platform.tokenizer import BPE_PATH, SHIPPED_BPE_VOCAB
@@ -95,6 +96,16 @@ def test_text_file_uses_the_chosen_tokenizer(tmp_path: Path) -> None:
                                                  "model.kwargs.vocab_size=1024"])
     assert load_tokens(recipe.data, 0).parts[0].tolist() == HFTokenizer.from_file(str(BPE_PATH)).encode(
         text.read_text()).ids
+
+
+def test_the_planner_profiles_on_the_tokenizers_ids(prepared: Path) -> None:
+    # token_range drives the planner's profiling runs: every id the data holds, not only bytes
+    bpe = HFTokenizer.from_file(str(BPE_PATH)).get_vocab_size()
+    for overrides, expected in ((["data.tokenizer=bpe", "model.kwargs.vocab_size=1024"], bpe),
+                                (["data.source=token_files", f"data.path={prepared}",
+                                  "model.kwargs.vocab_size=1024"], bpe),
+                                ([], 256)):
+        assert plan_request(load_recipe(RECIPES / "tiny.yaml", overrides)).token_range == expected, overrides
 
 
 @pytest.mark.parametrize(("args", "words"), [
