@@ -23,8 +23,8 @@ What works, and the limits:
 - `set_model_state_dict(broadcast_from_rank0=True)` matches keys against the live parameter names
   before this module's hook runs: with unsplit names the other ranks fail (missing keys) while rank 0
   goes on. Rename first with `to_split_names`, or give every rank the full dict.
-- optimizer state dicts keep the slice names (they are keyed by live parameters), so optimizer state
-  does not carry over a change of split factor.
+- optimizer state dicts keep the slice names (they are keyed by live parameters); checkpoint.py renames
+  them to unsplit names on save and back on load (`optim_unsplit` / `optim_split`).
 - reading `.weight` / `.bias` concatenates; on sharded slices that is a collective every rank must
   join (DCP's key lookup does it once per key while building a model state dict).
 """

@@ -9,6 +9,7 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
+    FakeTensor,
     FakeTensorMode,
 )
 
@@ -27,8 +28,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 __all__ = [
-    "DataDependentOutputException", "DynamicOutputShapeException", "FakeTensorMode", "MemTracker", "ModTracker",
-    "TorchDispatchMode", "checkpoint", "composable_registry", "detect_fake_mode", "register_fake_backend",
+    "DataDependentOutputException", "DynamicOutputShapeException", "FakeTensor", "FakeTensorMode", "MemTracker",
+    "ModTracker", "TorchDispatchMode", "checkpoint", "composable_registry", "detect_fake_mode", "register_fake_backend",
     "reshards_after_forward", "tree_leaves",
 ]
 

@@ -26,7 +26,7 @@ often, and which modules are active when each parameter is used) and walks the m
   modules needs each of them to run exactly once (FSDP2 reshards a group when all have run).
 
 Units are listed in registration order, nested units before the block around them. A Linear is
-splittable (see platform/split.py) when it is a plain `nn.Linear` that runs and whose untied weight
+splittable (see planners/split.py) when it is a plain `nn.Linear` that runs and whose untied weight
 and bias are used only inside its own forward.
 """
 

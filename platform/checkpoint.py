@@ -2,18 +2,21 @@
 
 Where they live: each rank writes its own DCP shard files into a local temp dir and reports it with
 `ray.train.report`; Ray Train V2 copies every rank's files into one folder,
-`runs/<name>-<runid8>/checkpoint_<next step>` (rank 0 adds DCP's `.metadata`). After a worker
+`<train.checkpoint_dir>/<name>-<runid8>/checkpoint_<next step>` (rank 0 adds DCP's `.metadata`).
+`train.checkpoint_dir` is a path or a URI Ray Train's storage supports (s3://, gs://, ...), by
+default `runs/` beside the driver; on a cluster it must be reachable from every worker, since a
+restarted worker may run on another node. Ray Train keeps the newest `train.checkpoints_to_keep`. After a worker
 failure Ray Train restarts the workers, but it registers a checkpoint only when its controller next
 polls every worker (every 2 s): a worker that dies sooner after reporting loses it, and the restart
 would begin again from step 0. So rank 0 also hands each stored folder to the driver's inbox
-(progress.py), which outlives the workers, and a restart loads the inbox's newest.
+(inbox.py), which outlives the workers, and a restart loads the inbox's newest.
 
-How resume finds them: once every rank's files are stored, the driver tags the MLflow run with the
-folder and the step to continue at (`checkpoint_path`, `checkpoint_step`); `submit --resume RUN_ID`
-reads those tags. DCP matches tensors by name and reshards on load, so a checkpoint loads under another
-plan or worker count as long as the parameter names agree. Operator splitting renames parameters
-(`x.weight` -> `x.slices.i.weight`), in the optimizer state at least, so a resume must keep every
-unit's split factor; `check_resumable` refuses other changes before training starts.
+How resume finds them: once every rank's files are stored, the driver records the folder and the
+step to continue at on the MLflow run (tracking.py); `submit --resume RUN_ID` reads them back.
+DCP matches tensors by name and reshards on load, so a checkpoint loads under another plan or
+worker count. Operator splitting renames parameters (`x.weight` -> `x.slices.i.weight`): model
+and optimizer state are saved under the unsplit names and cut back into the live slices on load, so a
+resume may also change split factors; `check_resumable` refuses only another model.
 """
 
 import tempfile
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow.fs
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -31,13 +35,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from osdp_planners.errors import UserError
 from osdp_planners.plan import Plan
-from osdp_platform.recipe import Recipe
-
-CHECKPOINT_PATH_TAG = "checkpoint_path"
-CHECKPOINT_STEP_TAG = "checkpoint_step"
+from osdp_planners.split import SplitLinear
+from osdp_platform.recipe import Recipe, TrainSection
+from osdp_platform.tracking import recorded_checkpoint
 
 
 @dataclass(frozen=True)
@@ -58,99 +62,167 @@ class ResumePoint:
     plan: Plan  # the plan the checkpoint was written under
 
 
+def storage_root(train: TrainSection) -> str:
+    """Ray Train's storage_path: the URI as given, a local path made absolute (workers run elsewhere)."""
+    if train.checkpoint_dir and "://" in train.checkpoint_dir:
+        return train.checkpoint_dir.rstrip("/")
+    return str(Path(train.checkpoint_dir or "runs").expanduser().resolve())
+
+
+def _is_complete(location: str) -> bool:
+    """Whether a checkpoint folder (path or URI) holds DCP's `.metadata`, which rank 0 writes last."""
+    if "://" not in location:
+        return (Path(location) / ".metadata").is_file()
+    try:
+        fs, path = pyarrow.fs.FileSystem.from_uri(location)
+        return fs.get_file_info(f"{path}/.metadata").type == pyarrow.fs.FileType.File
+    except (OSError, ValueError, pyarrow.ArrowException):
+        return False
+
+
 def should_save(step: int, every: int, steps: int) -> bool:
     """Save after every `every`-th step and after the last one (so a finished run can be extended)."""
     return every > 0 and ((step + 1) % every == 0 or step + 1 == steps)
 
 
+def _split_names(model: nn.Module) -> dict[str, tuple[list[str], SplitLinear]]:
+    """Unsplit parameter name -> its slices' names and the SplitLinear, for every split Linear of `model`."""
+    out: dict[str, tuple[list[str], SplitLinear]] = {}
+    for path, module in model.named_modules():
+        if isinstance(module, SplitLinear):
+            prefix = f"{path}." if path else ""
+            for leaf in ("weight", "bias"):
+                if getattr(module.slices[0], leaf) is not None:
+                    out[prefix + leaf] = ([f"{prefix}slices.{i}.{leaf}" for i in range(len(module.slices))], module)
+    return out
+
+
+def _is_rows(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0  # per-element state (moments), not a step count
+
+
+def optim_unsplit(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict with every split Linear's slice entries joined under the unsplit name.
+
+    Concatenating dim-0 shards of different slices is DTensor's `cat`, an all-gather: every rank holds
+    the whole optimizer state of each split Linear while the result is alive (as for model state).
+    """
+    splits = _split_names(model)
+    entries = dict(state["state"])
+    for name, (slices, _) in splits.items():
+        parts = [entries.pop(s) for s in slices if s in entries]
+        if parts:
+            entries[name] = {k: torch.cat([p[k] for p in parts]) if _is_rows(v) else v for k, v in parts[0].items()}
+    renamed = {s: name for name, (slices, _) in splits.items() for s in slices}
+    groups = [{**g, "params": list(dict.fromkeys(renamed.get(p, p) for p in g["params"]))}
+              for g in state["param_groups"]]
+    return {"state": entries, "param_groups": groups}
+
+
+def optim_split(model: nn.Module, state: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of `optim_unsplit` for `model`'s split factors; `live` (slice names) gives each slice's layout."""
+    splits = _split_names(model)
+    entries = dict(state["state"])
+    for name, (slices, module) in splits.items():
+        if name not in entries:
+            continue
+        joined = entries.pop(name)
+        for i, s in enumerate(slices):
+            entries[s] = {k: _rows_like(v, module.rows, i, live["state"][s][k]) if _is_rows(v) else _own(v)
+                          for k, v in joined.items()}
+    expand = {name: slices for name, (slices, _) in splits.items()}
+    groups = [{**g, "params": [q for p in g["params"] for q in expand.get(p, [p])]} for g in state["param_groups"]]
+    return {"state": entries, "param_groups": groups}
+
+
+def _own(value: Any) -> Any:
+    """A slice's own copy of a per-tensor value (Adam's step count is updated in place, once per slice)."""
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _rows_like(value: torch.Tensor, rows: list[int], index: int, target: torch.Tensor) -> torch.Tensor:
+    """Slice `index` of the full `value`, laid out as `target` (each rank cuts its own shard)."""
+    full = value.full_tensor() if isinstance(value, DTensor) else value
+    piece = torch.split(full, rows)[index]
+    if isinstance(target, DTensor):
+        return distribute_tensor(piece.to(target.device), target.device_mesh, target.placements, src_data_rank=None)
+    return piece
+
+
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer, step: torch.Tensor) -> dict[str, Any]:
-    """What a checkpoint holds; DCP loads into these same objects in place."""
-    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer),
-            "progress": {"step": step}}
+    """What a checkpoint holds, all in unsplit names, so it loads under any split factor (`load_state`)."""
+    return {"model": get_model_state_dict(model),
+            "optim": optim_unsplit(model, get_optimizer_state_dict(model, optimizer)), "progress": {"step": step}}
 
 
 def save_and_report(model: nn.Module, optimizer: torch.optim.Optimizer, next_step: int,
-                    metrics: dict[str, float]) -> str | None:
-    """Write this rank's shards, report them to Ray Train; rank 0 returns the stored folder once complete."""
+                    metrics: dict[str, float], root: str) -> str | None:
+    """Write this rank's shards, report them to Ray Train; rank 0 returns the stored folder (a path or URI
+    under `root`, Ray Train's storage_path) once every rank's files are there."""
     import ray.train
     from ray.train import Checkpoint
 
+    name = f"checkpoint_{next_step:06d}"
     with tempfile.TemporaryDirectory(prefix="osdp-ckpt-") as tmp:
         dcp.save(_state(model, optimizer, torch.tensor(next_step)), checkpoint_id=tmp)
-        ray.train.report(metrics, checkpoint=Checkpoint.from_directory(tmp),
-                         checkpoint_dir_name=f"checkpoint_{next_step:06d}")
+        ray.train.report(metrics, checkpoint=Checkpoint.from_directory(tmp), checkpoint_dir_name=name)
     dist.barrier()  # a synchronous report returns after this rank's upload: now every rank's files are stored
     if ray.train.get_context().get_world_rank() != 0:
         return None
-    stored = ray.train.get_checkpoint()
-    return stored.path if stored is not None else None
+    return f"{root}/{ray.train.get_context().get_experiment_name()}/{name}"
 
 
 def restore(model: nn.Module, optimizer: torch.optim.Optimizer, own: str | None, resume_from: str | None) -> int:
     """Load the newest state: this run's own checkpoint (`own`, from the inbox, else the one Ray Train
     registered), else `resume_from` (an earlier run's). Returns the step to continue at (0: nothing loaded).
+    `own` and `resume_from` are paths or URIs; a remote checkpoint is downloaded to a temp folder first.
     """
     import ray.train
     from ray.train import Checkpoint
 
-    checkpoint = Checkpoint.from_directory(own) if own else ray.train.get_checkpoint()
+    checkpoint = Checkpoint(own) if own else ray.train.get_checkpoint()
     if checkpoint is None and resume_from:
-        checkpoint = Checkpoint.from_directory(resume_from)
+        checkpoint = Checkpoint(resume_from)
     if checkpoint is None:
         return 0
-    step = torch.tensor(0)
-    state = _state(model, optimizer, step)
     with checkpoint.as_directory() as path:
-        dcp.load(state, checkpoint_id=path)
+        return load_state(model, optimizer, path)
+
+
+def load_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> int:
+    """Load a DCP checkpoint folder into the live (sharded, maybe split) model and optimizer; its step."""
+    step = torch.tensor(0)
+    live = get_optimizer_state_dict(model, optimizer)
+    state = {"model": get_model_state_dict(model), "optim": optim_unsplit(model, live), "progress": {"step": step}}
+    dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optim"])
+    set_optimizer_state_dict(model, optimizer, optim_split(model, state["optim"], live))
     return int(step)
 
 
 def find_resume_point(recipe: Recipe, run_id: str) -> ResumePoint:
     """Look up the last checkpoint of MLflow run `run_id` in the recipe's tracking store (before Ray starts)."""
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
-
-    uri = recipe.tracking.resolved_uri
-    client = MlflowClient(uri)
-    try:
-        run = client.get_run(run_id)
-    except MlflowException:
-        raise UserError("--resume", run_id, f"no MLflow run with this id in the tracking store {uri}",
-                        "pass the run id that submit printed (MLflow run), with the same tracking.uri") from None
-    tags = run.data.tags
-    if CHECKPOINT_PATH_TAG not in tags:
+    recorded = recorded_checkpoint(recipe.tracking.resolved_uri, run_id)
+    if recorded is None:
         raise UserError("--resume", run_id, "this run wrote no checkpoint",
                         "resume a run submitted with train.checkpoint_every > 0 that got past its first "
                         "checkpoint, or submit without --resume")
-    path = tags[CHECKPOINT_PATH_TAG]
-    if not (Path(path) / ".metadata").is_file():
-        raise UserError("--resume", run_id, f"its checkpoint folder {path} is gone or incomplete",
-                        "restore the runs/ folder that run wrote, or submit without --resume")
-    step = int(tags[CHECKPOINT_STEP_TAG])
-    if recipe.train.steps <= step:
-        raise UserError("train.steps", recipe.train.steps, f"the checkpoint of run {run_id} is already at step {step}",
-                        f"set train.steps above {step} to train further")
-    with tempfile.TemporaryDirectory() as tmp:
-        plan = Plan.from_file(client.download_artifacts(run_id, "plan.json", tmp))
-    return ResumePoint(run_id, path, step, plan)
+    if not _is_complete(recorded.path):
+        raise UserError("--resume", run_id, f"its checkpoint folder {recorded.path} is gone or incomplete",
+                        "restore the checkpoint folder that run wrote (train.checkpoint_dir, default runs/), "
+                        "or submit without --resume")
+    if recipe.train.steps <= recorded.step:
+        raise UserError("train.steps", recipe.train.steps,
+                        f"the checkpoint of run {run_id} is already at step {recorded.step}",
+                        f"set train.steps above {recorded.step} to train further")
+    return ResumePoint(run_id, recorded.path, recorded.step, recorded.plan)
 
 
 def check_resumable(point: ResumePoint, recipe: Recipe, plan: Plan) -> None:
-    """Refuse before training what the checkpoint cannot load into: another model, renamed parameters."""
+    """Refuse before training what the checkpoint cannot load into: another model. Any plan, worker count
+    and split factors load it (model and optimizer state are saved under unsplit names)."""
     if point.plan.structure_hash != plan.structure_hash:
         raise UserError("model", recipe.model.label,
                         f"run {point.run_id} trained a model with structure hash {point.plan.structure_hash}, "
                         f"this recipe's model has {plan.structure_hash}",
                         "resume with the same model section as the checkpointed run")
-    saved = {u.name: u.split for u in point.plan.units}
-    changed = sorted(f"{u.name} {saved[u.name]} -> {u.split}" for u in plan.units
-                     if u.name in saved and u.split != saved[u.name])
-    if changed:
-        raise UserError("planner.name", recipe.planner.name,
-                        f"this plan splits units differently from the checkpoint's ({', '.join(changed[:3])}"
-                        f"{', ...' if len(changed) > 3 else ''}); splitting renames parameters and resuming "
-                        "across split factors is not supported yet",
-                        "resume with a plan that keeps every unit's split factor (a uniform planner, ddp, "
-                        "zero2, zero3 or hsdp, when the checkpointed run split nothing)")

@@ -1,7 +1,15 @@
-"""The `osdp-platform` command: validate, plan and submit recipes. User mistakes exit 2 with one message."""
+"""The `osdp-platform` command: validate, plan, submit and sweep recipes; compare runs; open MLflow's UI;
+prepare token files.
+
+User mistakes exit 2 with one message. Ray's own logs, the workers' output and torch's FutureWarnings
+stay off the terminal unless --verbose.
+"""
 
 import argparse
+import logging
+import os
 import sys
+import warnings
 from pathlib import Path
 
 from rich.console import Console
@@ -10,28 +18,152 @@ from osdp_planners.errors import UserError, UserErrors
 from osdp_platform.recipe_loader import load_recipe
 
 EXIT_USER_ERROR = 2
+FORMATS = ("table", "json", "markdown")
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="osdp-platform", description=__doc__)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--verbose", action="store_true", help="let Ray's logs, the workers' output and "
+                                                               "warnings through to the terminal")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (("validate", "check a recipe and print it resolved"),
                        ("plan", "plan a recipe without training (no GPU, no Ray workers needed)"),
-                       ("submit", "plan and train a recipe on Ray, tracked in MLflow")):
-        cmd = sub.add_parser(name, help=text)
+                       ("submit", "plan and train a recipe on Ray, tracked in MLflow"),
+                       ("sweep", "plan every cell of a grid (key=a,b,...), train those that fit, compare them")):
+        cmd = sub.add_parser(name, help=text, parents=[common])
         cmd.add_argument("recipe", help="recipe YAML file")
         cmd.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=5")
-    sub.choices["plan"].add_argument("--out", help="write the plan JSON here (default: print it)")
-    sub.choices["plan"].add_argument("--png", help="write the predicted memory timeline here (default: plan.png "
-                                                   "beside --out, or none)")
-    sub.choices["submit"].add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS or local)")
+    plan = sub.choices["plan"]
+    plan.add_argument("--out", help="write the plan JSON here (default: print it)")
+    plan.add_argument("--png", help="write the predicted memory timeline here (default: plan.png beside --out, "
+                                    "or none)")
+    plan.add_argument("--track", action="store_true", help="also record the plan as an MLflow run (no training), "
+                                                           "to compare plans before spending GPU time")
+    for name in ("submit", "sweep"):
+        sub.choices[name].add_argument("--address", help="Ray cluster: http://HEAD:8265 runs the command as a job "
+                                                         "through the Jobs API (the current folder is shipped as "
+                                                         "its working directory), ray://HEAD:10001 connects as a "
+                                                         "Ray client, HOST:6379 joins from inside the cluster "
+                                                         "(default: $RAY_ADDRESS, else a local Ray)")
     sub.choices["submit"].add_argument("--resume", metavar="RUN_ID",
                                        help="continue from the last checkpoint of this earlier run (MLflow run "
-                                            "id), as a new run; the plan and worker count may differ")
+                                            "id), as a new run; the plan, worker count and split factors may differ")
+    sub.choices["sweep"].add_argument("--format", choices=FORMATS, default="table", help="of the comparison")
+    cmp = sub.add_parser("compare", help="runs side by side: predicted and measured throughput and memory",
+                         parents=[common])
+    cmp.add_argument("run_ids", nargs="*", metavar="RUN_ID", help="MLflow run ids (default: --experiment's runs)")
+    cmp.add_argument("--experiment", help="compare every plan and train run of this MLflow experiment")
+    cmp.add_argument("--format", choices=FORMATS, default="table")
+    ui = sub.add_parser("ui", help="open the MLflow UI on the tracking store", parents=[common])
+    ui.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: 127.0.0.1)")
+    ui.add_argument("--port", type=int, default=5000)
+    for cmd in (cmp, ui):
+        cmd.add_argument("--uri", help="tracking store (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
+    sync = sub.add_parser("sync", help="upload the MLflow writes a run kept locally while its server was away",
+                          parents=[common])
+    sync.add_argument("folder", help="the folder the run's warning named (mlflow-pending/<run id>)")
+    prepare = sub.add_parser("prepare", help="tokenize text files into token files (data.source: token_files)",
+                             parents=[common])
+    prepare.add_argument("files", nargs="+", help="text files, one token file each")
+    prepare.add_argument("--out", required=True, help="folder for the token files and their tokens.json")
+    prepare.add_argument("--tokenizer", default="bytes", help="bytes, bpe (shipped) or a tokenizers JSON file")
     return parser
 
 
+def _store(uri: str | None) -> str:
+    from osdp_platform.recipe import TrackingSection
+
+    return TrackingSection(uri=uri).resolved_uri
+
+
+def _ui(uri: str, host: str, port: int, console: Console) -> int:
+    if uri.startswith(("http://", "https://")):
+        console.print(f"the tracking store is a server: open {uri}", markup=False)
+        return 0
+    console.print(f"MLflow UI on {uri}: http://{host}:{port} (Ctrl-C stops it)", markup=False)
+    sys.stdout.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri,
+                              "--host", host, "--port", str(port), "--workers", "1"])
+    return 0
+
+
+def _plan(args: argparse.Namespace, console: Console) -> int:
+    from osdp_platform.planning import plan_recipe
+    from osdp_platform.report import log_report, print_report
+    from osdp_platform.tracking import RunKind, RunTracker, check_reachable
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    if args.track:
+        check_reachable(recipe.tracking.resolved_uri)
+    result = plan_recipe(recipe)
+    if args.out:
+        Path(args.out).write_text(result.plan.to_json())
+        console.print(f"plan written to {args.out}", markup=False)
+    else:
+        console.print(result.plan.to_json(), markup=False)
+    png = args.png or (str(Path(args.out).with_suffix(".png")) if args.out else None)
+    print_report(result, console, Path(png) if png else None)
+    if args.track:
+        tracker = RunTracker.start(recipe, RunKind.PLAN, result.plan)
+        log_report(tracker, result)
+        tracker.finish()
+        console.print(f"plan recorded as MLflow run {tracker.run_id}", markup=False)
+    return 0
+
+
+def _prepare(args: argparse.Namespace, console: Console) -> int:
+    from osdp_platform.data import TokenFiles
+
+    prepared = TokenFiles.prepare([Path(f) for f in args.files], args.tokenizer, Path(args.out))
+    console.print(f"{len(prepared.files)} token file(s) ({prepared.dtype}, vocab {prepared.vocab_size}, tokenizer "
+                  f"{prepared.tokenizer}) in {prepared.folder}: use data.source=token_files "
+                  f"data.path={prepared.folder}", markup=False)
+    return 0
+
+
+def _as_job(args: argparse.Namespace, console: Console) -> int:
+    """submit / sweep with a Jobs API address: the same command runs on the cluster as the job's driver."""
+    from osdp_platform.remote import submit_job
+
+    if args.command == "sweep":
+        name, options = Path(args.recipe).stem, ["--format", args.format]
+    else:
+        name, options = load_recipe(args.recipe, args.overrides).name, ["--resume", args.resume] if args.resume else []
+    verbose = ["--verbose"] if args.verbose else []
+    return submit_job(name, args.command, args.recipe, [*args.overrides, *options, *verbose], args.address, console)
+
+
 def _run(args: argparse.Namespace, console: Console) -> int:
+    if args.command == "prepare":
+        return _prepare(args, console)
+    if args.command == "compare":
+        from osdp_platform.compare import compare
+
+        compare(_store(args.uri), args.run_ids, args.experiment, args.format, console)
+        return 0
+    if args.command == "ui":
+        return _ui(_store(args.uri), args.host, args.port, console)
+    if args.command == "sync":
+        from osdp_platform.submit import warn_on
+        from osdp_platform.tracking import RunTracker
+
+        done = RunTracker.sync(Path(args.folder), warn_on(console))
+        console.print("uploaded" if done else "the server stopped answering; run sync again", markup=False)
+        return 0 if done else 1
+    if args.command == "plan":
+        return _plan(args, console)
+    if args.command in ("submit", "sweep"):
+        from osdp_platform.remote import is_jobs_api
+
+        args.address = args.address or os.environ.get("RAY_ADDRESS")
+        if args.address and is_jobs_api(args.address):
+            return _as_job(args, console)
+    if args.command == "sweep":
+        from osdp_platform.sweep import sweep
+
+        sweep(args.recipe, args.overrides, args.address, console, args.format, args.verbose)
+        return 0
     recipe = load_recipe(args.recipe, args.overrides)
     if args.command == "validate":
         from osdp_platform.recipe_loader import recipe_to_yaml
@@ -39,27 +171,27 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         console.print(recipe_to_yaml(recipe), markup=False)
         console.print(f"[green]ok[/]: {args.recipe} is valid")
         return 0
-    if args.command == "plan":
-        from osdp_platform.planning import plan_recipe
-        from osdp_platform.report import print_report
+    from osdp_platform.submit import ray_logs_hint, submit
 
-        result = plan_recipe(recipe)
-        if args.out:
-            Path(args.out).write_text(result.plan.to_json())
-            console.print(f"plan written to {args.out}", markup=False)
-        else:
-            console.print(result.plan.to_json(), markup=False)
-        png = args.png or (str(Path(args.out).with_suffix(".png")) if args.out else None)
-        print_report(result, console, Path(png) if png else None)
-        return 0
-    from osdp_platform.submit import submit
-
-    submit(recipe, address=args.address, console=console, resume=args.resume)
+    if not args.verbose:
+        ray_logs_hint(console)
+    submit(recipe, address=args.address, console=console, resume=args.resume, verbose=args.verbose)
     return 0
+
+
+def _quiet() -> None:
+    """Keep library chatter off the terminal, in this process and the ones it starts (planner probes, local Ray)."""
+    os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")  # our own lines name the runs
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
+    logging.getLogger("urllib3").setLevel(logging.ERROR)  # retries of a server that went away: we warn once
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if not args.verbose:
+        _quiet()
     console = Console(stderr=False, soft_wrap=False, width=max(Console().width, 110))
     try:
         return _run(args, console)

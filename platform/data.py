@@ -1,57 +1,168 @@
-"""Token data: bytes as tokens (vocab 256), sampled into deterministic global batches.
+"""Token data, sampled into deterministic global batches.
+
+Sources: synthetic tokens, the bundled corpus or a text file (tokenized when loaded, held as
+uint32), or token files written by `osdp-platform prepare` (uint16/uint32, read through
+`np.memmap`, so a rank's memory does not grow with the data set and several files act as one).
 
 Every rank derives the same global batch for a step from (seed, step) and takes its own rows, so a
 run on N workers sees exactly the data a single process fed the whole global batch would see, and a
-resumed run continues the same sequence.
+resumed run continues the same sequence. A window never crosses from one file into the next.
 """
 
-from collections.abc import Iterator
+import json
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from osdp_platform.recipe import DataSection
+from osdp_planners.errors import UserError
+from osdp_platform.recipe import DataSection, Recipe
+from osdp_platform.tokenizer import BYTE_VOCAB_SIZE, check_model_vocab, load_tokenizer
 
-VOCAB_SIZE = 256
 CORPUS_PATH = Path(__file__).parent / "data" / "corpus.txt"
 SYNTHETIC_LENGTH = 1 << 16
+MANIFEST = "tokens.json"  # what `prepare` writes beside the token files
+MANIFEST_FORMAT = 1
 
 
-def _synthetic_tokens(seed: int) -> torch.Tensor:
-    """Interleaved counting sequences with random strides: random-looking but learnable."""
+@dataclass(frozen=True)
+class TokenFiles:
+    """A `prepare` output folder: its token files, their dtype and the tokenizer that made them."""
+
+    folder: Path
+    files: list[str]
+    dtype: str
+    vocab_size: int
+    tokenizer: str
+
+    @classmethod
+    def read(cls, folder: str | Path) -> "TokenFiles":
+        path = Path(folder) / MANIFEST
+        fix = "point data.path at a folder written by `osdp-platform prepare`, or prepare it again"
+        if not path.is_file():
+            raise UserError("data.path", str(folder), f"has no {MANIFEST}", fix)
+        meta = json.loads(path.read_text())
+        if meta.get("format") != MANIFEST_FORMAT:
+            raise UserError("data.path", str(folder), f"{MANIFEST} has format {meta.get('format')!r}, this "
+                            f"platform reads {MANIFEST_FORMAT}", fix)
+        missing = [f["name"] for f in meta["files"] if not (Path(folder) / f["name"]).is_file()]
+        if missing:
+            raise UserError("data.path", str(folder), f"token files listed in {MANIFEST} are missing: "
+                            f"{missing[:3]}", fix)
+        return cls(Path(folder), [f["name"] for f in meta["files"]], meta["dtype"], int(meta["vocab_size"]),
+                   meta["tokenizer"])
+
+    @classmethod
+    def prepare(cls, texts: Sequence[Path], tokenizer_name: str, out: Path) -> "TokenFiles":
+        """Tokenize each text file into `out` (one token file each, in order) and write the manifest last.
+
+        A file is tokenized whole, so split a large corpus into several files. An existing manifest in
+        `out` is never overwritten.
+        """
+        tokenizer = load_tokenizer(tokenizer_name)
+        for text in texts:
+            if not text.is_file():
+                raise UserError("prepare", str(text), "is not a file", "pass existing text files")
+        if (out / MANIFEST).exists():
+            raise UserError("--out", str(out), f"already holds prepared tokens ({MANIFEST})",
+                            "choose a new --out folder, or delete that one first")
+        out.mkdir(parents=True, exist_ok=True)
+        dtype = token_dtype(tokenizer.vocab_size)
+        entries = []
+        for i, text in enumerate(texts):
+            ids = tokenizer.encode(text.read_bytes()).astype(dtype)
+            name = f"{i:04d}-{text.stem}.bin"
+            ids.tofile(out / name)
+            entries.append({"name": name, "tokens": len(ids), "source": str(text)})
+        manifest = {"format": MANIFEST_FORMAT, "tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size,
+                    "dtype": dtype, "files": entries}
+        (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        return cls(out, [e["name"] for e in entries], dtype, tokenizer.vocab_size, tokenizer.name)
+
+    def arrays(self) -> list[np.ndarray]:
+        return [np.memmap(self.folder / name, dtype=self.dtype, mode="r") for name in self.files]
+
+
+def token_dtype(vocab_size: int) -> str:
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def _synthetic_tokens(seed: int) -> np.ndarray:
+    """Interleaved counting sequences with random strides: random-looking but learnable (byte ids)."""
     gen = torch.Generator().manual_seed(seed)
     strides = torch.randint(1, 17, (SYNTHETIC_LENGTH // 64,), generator=gen)
-    starts = torch.randint(0, VOCAB_SIZE, (SYNTHETIC_LENGTH // 64,), generator=gen)
+    starts = torch.randint(0, BYTE_VOCAB_SIZE, (SYNTHETIC_LENGTH // 64,), generator=gen)
     offsets = torch.arange(64)
-    return ((starts[:, None] + strides[:, None] * offsets[None, :]) % VOCAB_SIZE).reshape(-1)
+    return ((starts[:, None] + strides[:, None] * offsets[None, :]) % BYTE_VOCAB_SIZE).reshape(-1).numpy()
 
 
-def load_tokens(section: DataSection, seed: int) -> torch.Tensor:
-    """The whole token stream as int64, one token per byte."""
+def data_vocab_size(section: DataSection) -> int:
+    """Token ids the data holds are below this: the model's vocabulary must cover it."""
     if section.source == "synthetic":
-        return _synthetic_tokens(seed)
+        return BYTE_VOCAB_SIZE
+    if section.source == "token_files":
+        return TokenFiles.read(str(section.path)).vocab_size
+    return load_tokenizer(section.tokenizer).vocab_size
+
+
+def check_vocab(recipe: Recipe) -> None:
+    """The model must have an embedding row for every token id the data holds (UserError otherwise)."""
+    data = recipe.data
+    tokenizer = data.tokenizer or (TokenFiles.read(str(data.path)).tokenizer if data.source == "token_files"
+                                   else "bytes")
+    check_model_vocab(recipe.model.model_dump(), data_vocab_size(data), tokenizer)
+
+
+def load_tokens(section: DataSection, seed: int) -> "Tokens":
+    if section.source == "synthetic":
+        return Tokens([_synthetic_tokens(seed)])
+    if section.source == "token_files":
+        return Tokens(TokenFiles.read(str(section.path)).arrays())
     path = CORPUS_PATH if section.source == "corpus" else Path(section.path or "")
-    raw = path.read_bytes()
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int64)
+    return Tokens([load_tokenizer(section.tokenizer).encode(path.read_bytes())])
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """One or more token sequences (in memory or memory-mapped) that windows are drawn from."""
+
+    parts: Sequence[np.ndarray]
+
+    def window_counts(self, length: int) -> np.ndarray:
+        """Start positions per part for windows of `length` tokens (one spare, as the sampler always had)."""
+        return np.array([max(0, len(p) - length) for p in self.parts], dtype=np.int64)
+
+    def windows(self, starts: torch.Tensor, length: int) -> torch.Tensor:
+        """Rows of `length` tokens at global start indices (counted over every part's valid starts)."""
+        bounds = np.cumsum(self.window_counts(length))
+        rows = []
+        for start in starts.tolist():
+            part = int(np.searchsorted(bounds, start, side="right"))
+            offset = start - (int(bounds[part - 1]) if part else 0)
+            rows.append(torch.from_numpy(np.asarray(self.parts[part][offset:offset + length], dtype=np.int64)))
+        return torch.stack(rows)
 
 
 @dataclass(frozen=True)
 class BatchSampler:
-    tokens: torch.Tensor
+    tokens: Tokens
     seq_len: int
     seed: int
 
     def __post_init__(self) -> None:
-        if self.tokens.numel() < self.seq_len + 2:
-            raise ValueError(f"the data has {self.tokens.numel()} tokens, fewer than seq_len + 2 = {self.seq_len + 2}")
+        if int(self.tokens.window_counts(self.seq_len + 1).sum()) < 1:
+            longest = max((len(p) for p in self.tokens.parts), default=0)
+            raise ValueError(f"the longest token sequence has {longest} tokens, fewer than seq_len + 2 = "
+                             f"{self.seq_len + 2}")
 
     def global_batch(self, step: int, micro_step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-token targets for one micro step of the global batch (all ranks' rows)."""
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 1009 + micro_step)
-        starts = torch.randint(0, self.tokens.numel() - self.seq_len - 1, (rows,), generator=gen)
-        idx = starts[:, None] + torch.arange(self.seq_len + 1)[None, :]
-        window = self.tokens[idx]
+        total = int(self.tokens.window_counts(self.seq_len + 1).sum())
+        starts = torch.randint(0, total, (rows,), generator=gen)
+        window = self.tokens.windows(starts, self.seq_len + 1)
         return window[:, :-1], window[:, 1:]
 
     def rank_batch(

@@ -1,17 +1,32 @@
-"""Build the recipe's model: a zoo entry or the user's own factory, on any device (meta for planning)."""
+"""Build the recipe's model: a zoo entry, a Hugging Face config, or the user's own factory.
+
+Every model is constructed with its parameters on meta (buffers stay real and small), then either
+kept there (planning), initialised whole on one device (`build_model`), or sharded by a plan before
+any parameter gets memory (`build_sharded`, see meta_init.py). Models with an init protocol (the zoo,
+Hugging Face models, a user model with `init_module`) draw their weights module by module from the
+RNG state at the call, so a single-process build and any sharded build agree. A model without one
+is built whole on CPU by its own constructor on every rank: such a worker briefly holds the full
+fp32 model in host memory, which the planner's per-device budget does not count.
+"""
 
 import importlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
 
 from osdp_planners.errors import UserError
-from osdp_platform.data import VOCAB_SIZE
+from osdp_planners.plan import Plan
+from osdp_planners.torch_private import detect_fake_mode
+from osdp_platform.apply import Meshes, apply_plan
+from osdp_platform.meta_init import init_protocol, initialize, scatter_into
 from osdp_platform.recipe import ModelSection
-from osdp_platform.zoo import build_zoo_model
+from osdp_platform.zoo import zoo_module
 
 
-def _import_factory(target: str):
+def _import_factory(target: str) -> Callable[..., Any]:
     module_name, _, attr = target.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -24,22 +39,130 @@ def _import_factory(target: str):
     return getattr(module, attr)
 
 
-def build_model(section: ModelSection, device: str | torch.device = "cpu") -> nn.Module:
-    """Construct on `device` from the global RNG state (seed first for identical weights on every rank)."""
-    with torch.device(device):
-        if section.target:
-            model = _import_factory(section.target)(**section.kwargs)
-            if not isinstance(model, nn.Module):
-                raise UserError("model.target", section.target, f"returned {type(model).__name__}, not nn.Module",
-                                "return a torch.nn.Module from the factory")
+@contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Every parameter registered inside goes to meta as it is registered; buffers keep their device.
+
+    Default initialisers that run after registration (nn.Linear's) then touch meta tensors only: no
+    memory and no RNG draws. Buffers (rotary tables, masks) keep the values their constructor computed.
+    """
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = type(param)(param.detach().to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def _hf_model(section: ModelSection) -> nn.Module:
+    """A `transformers` causal LM from a config alone (inline, or a local config.json): nothing is downloaded."""
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise UserError("model.hf_config", section.hf_config, "needs the transformers package",
+                        "pip install transformers") from None
+    try:
+        if isinstance(section.hf_config, str):
+            config = AutoConfig.from_pretrained(section.hf_config, local_files_only=True, **section.kwargs)
         else:
-            try:
-                model = build_zoo_model(str(section.family), str(section.size), **section.kwargs)
-            except ValueError as exc:
-                raise UserError("model", section.model_dump(exclude_none=True), str(exc),
-                                "pick a family, size and options from the lists above") from None
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    if vocab is not None and vocab < VOCAB_SIZE:
-        raise UserError("model.kwargs.vocab_size", vocab, f"below the byte tokenizer's {VOCAB_SIZE} tokens",
-                        f"use vocab_size >= {VOCAB_SIZE}")
+            fields = dict(section.hf_config or {})
+            config = AutoConfig.for_model(str(fields.pop("model_type", "")), **fields, **section.kwargs)
+    except (ValueError, OSError, KeyError, TypeError) as exc:
+        raise UserError("model.hf_config", section.hf_config, f"is not a usable transformers config ({exc})",
+                        "give model_type (e.g. llama, gpt2) and that model's config fields, or the path of a "
+                        "local config.json") from None
+    config.use_cache = False  # training never reads a KV cache; without this every forward returns one
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def _construct(section: ModelSection) -> nn.Module:
+    if section.family is not None:
+        try:
+            return zoo_module(str(section.family), str(section.size), **section.kwargs)
+        except ValueError as exc:
+            raise UserError("model", section.model_dump(exclude_none=True), str(exc),
+                            "pick a family, size and options from the lists above") from None
+    if section.hf_config is not None:
+        return _hf_model(section)
+    model = _import_factory(str(section.target))(**section.kwargs)
+    if not isinstance(model, nn.Module):
+        raise UserError("model.target", section.target, f"returned {type(model).__name__}, not nn.Module",
+                        "return a torch.nn.Module from the factory")
     return model
+
+
+def _skeleton(section: ModelSection) -> nn.Module:
+    with _parameters_on_meta():
+        return _construct(section)
+
+
+def _to_empty(model: nn.Module, device: str | torch.device) -> None:
+    """Allocate the parameters on `device` (uninitialised), keeping the buffers' values.
+
+    FSDP2 keeps tied parameters tied through `to_empty`; a plain module may not, so `build_model` re-ties.
+    """
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name])
+
+
+def build_model(section: ModelSection, device: str | torch.device = "cpu") -> nn.Module:
+    """The whole model on `device`, from the global RNG state (seed first for identical weights on every rank).
+
+    On meta nothing is initialised (planning). Elsewhere a model with an init protocol is initialised
+    module by module exactly as `build_sharded` does; one without is built by its own constructor.
+    """
+    if detect_fake_mode() is not None:  # profiling on fake tensors: no values to draw
+        with torch.device(device):
+            return _construct(section)
+    rng = torch.get_rng_state()
+    model = _skeleton(section)
+    if torch.device(device).type == "meta":
+        return model
+    protocol = init_protocol(model)
+    if protocol is None:
+        torch.set_rng_state(rng)
+        with torch.device(device):
+            return _construct(section)
+    _to_empty(model, device)
+    tie = getattr(model, "tie_weights", None)
+    if callable(tie):
+        tie()
+    torch.set_rng_state(rng)
+    initialize(model, protocol)
+    return model
+
+
+def build_sharded(section: ModelSection, plan: Plan, device: torch.device, meshes: Meshes | None = None
+                  ) -> nn.Module:
+    """The model with `plan` applied, each rank allocating only its shards plus one unit in full at a time.
+
+    Same weights as `build_model(section)` from the same RNG state. Needs the process group `plan` is for.
+    """
+    rng = torch.get_rng_state()
+    reference = _skeleton(section)  # stays unsplit and unsharded: the initialiser runs on it
+    protocol = init_protocol(reference)
+    if protocol is None:
+        torch.set_rng_state(rng)
+        model = build_model(section, "cpu")
+        apply_plan(model, plan, device.type, meshes)
+        return model
+    model = _skeleton(section)
+    apply_plan(model, plan, device.type, meshes)
+    _to_empty(model, device)
+    torch.set_rng_state(rng)
+    initialize(reference, protocol, scatter_into(model))
+    buffers = dict(reference.named_buffers())
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name])
+    return model
+

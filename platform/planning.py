@@ -7,15 +7,17 @@ from typing import Any
 
 import ray
 import torch
-from ray.exceptions import RayTaskError
+from ray.exceptions import GetTimeoutError, RayTaskError
 
-from osdp_planners import Plan, PlanRequest, PlanResult, make_plan_for
+from osdp_planners import PlanRequest, PlanResult, make_plan_for
 from osdp_planners.errors import UserError
 from osdp_planners.hardware import get_preset
+from osdp_platform.cluster import pool_request
+from osdp_platform.data import data_vocab_size
 from osdp_platform.models import build_model
 from osdp_platform.recipe import Recipe
 
-PLANNER_TIMEOUT_S = 600
+PLANNER_TIMEOUT_S = 600  # for planning, once the actor is placed (hardware.wait_for_nodes_s until then)
 
 
 def plan_request(recipe: Recipe) -> PlanRequest:
@@ -36,6 +38,7 @@ def plan_request(recipe: Recipe) -> PlanRequest:
         hsdp_group_size=recipe.planner.hsdp_group_size,
         plan_file=recipe.planner.plan_file,
         search=recipe.planner.search,
+        token_range=data_vocab_size(recipe.data),  # profile on the ids the tokenizer produces, not only bytes
     )
 
 
@@ -71,10 +74,12 @@ def plan_recipe(recipe: Recipe) -> PlanResult:
 class PlannerActor:
     """Runs the planner where a training worker would run, so profiling sees the workers' hardware."""
 
-    def plan(self, recipe_json: dict[str, Any]) -> tuple[str, str]:
+    def ready(self) -> None:
+        """Answers once the actor runs: a node with the worker's resources was there, or was started."""
+
+    def plan(self, recipe_json: dict[str, Any]) -> PlanResult:
         torch.set_num_threads(1)
-        result = plan_recipe(Recipe.model_validate(recipe_json))
-        return result.plan.to_json(), profile_json(result)
+        return plan_recipe(Recipe.model_validate(recipe_json))
 
 
 def _jsonable(obj: Any) -> Any:
@@ -100,16 +105,39 @@ def profile_json(result: PlanResult) -> str:
     }, indent=1, default=str)
 
 
-def plan_on_sample_worker(recipe: Recipe) -> tuple[Plan, str]:
-    """Place the planner actor like one training worker, get its plan, and free the worker again."""
-    gpu = 1 if recipe.hardware.accelerator == "gpu" else 0
-    actor = PlannerActor.options(num_cpus=1, num_gpus=gpu).remote()  # type: ignore[attr-defined]
+def _wait_until_placed(actor: Any, recipe: Recipe) -> None:
+    """A pool that never appears (a name no node group advertises) is the user's to fix, not a timeout."""
+    hw = recipe.hardware
     try:
-        plan_json, profile = ray.get(actor.plan.remote(recipe.model_dump(mode="json")), timeout=PLANNER_TIMEOUT_S)
+        ray.get(actor.ready.remote(), timeout=hw.wait_for_nodes_s)
+    except GetTimeoutError:
+        need = ["1 CPU", *(["1 GPU"] if hw.accelerator == "gpu" else []),
+                *([f"1 unit of {hw.pool_resource!r}"] if hw.pool_resource else [])]
+        field, value = ("hardware.pool", hw.pool) if hw.pool_resource else ("hardware.wait_for_nodes_s",
+                                                                          hw.wait_for_nodes_s)
+        raise UserError(
+            field, value,
+            f"no node with {' and '.join(need)} free was there for the planner within {hw.wait_for_nodes_s:g} s "
+            "(hardware.wait_for_nodes_s)",
+            "name a pool a node group of the cluster advertises (KubeRay: the worker group's `resources`; "
+            "`ray status` lists them), set hardware.pool=any to run on any node, or give a slow autoscaler more "
+            "time with hardware.wait_for_nodes_s",
+        ) from None
+
+
+def plan_on_sample_worker(recipe: Recipe) -> PlanResult:
+    """Place the planner actor like one training worker (same pool), get its plan (with what it was computed from, for
+    the run's charts), and free the worker again."""
+    gpu = 1 if recipe.hardware.accelerator == "gpu" else 0
+    actor = PlannerActor.options(num_cpus=1, num_gpus=gpu,  # type: ignore[attr-defined]
+                                 resources=pool_request(recipe.hardware)).remote()
+    try:
+        _wait_until_placed(actor, recipe)
+        result = ray.get(actor.plan.remote(recipe.model_dump(mode="json")), timeout=PLANNER_TIMEOUT_S)
     except RayTaskError as exc:
         if isinstance(exc.cause, UserError):
             raise exc.cause from None
         raise
     finally:
         ray.kill(actor)
-    return Plan.model_validate_json(plan_json), profile
+    return result

@@ -1,10 +1,11 @@
 """The recipe schema: what a user may declare, validated strictly (unknown keys are errors)."""
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
 from osdp_planners.hardware import PRESETS
 from osdp_planners.margin import MemoryMargin
@@ -15,48 +16,98 @@ class _Section(BaseModel):
 
 
 class ModelSection(_Section):
-    """Either a zoo entry (family + size) or the user's own factory (target + kwargs)."""
+    """One model source: a zoo entry (family + size), a Hugging Face config, or the user's own factory."""
 
     family: str | None = None
     size: str | None = None
+    hf_config: dict[str, Any] | str | None = Field(
+        default=None, description="a transformers config: inline fields with model_type (e.g. llama, gpt2), or "
+                                  "the path of a local config.json; built by AutoModelForCausalLM, never downloaded")
     target: str | None = Field(default=None, description='"package.module:factory" returning an nn.Module')
-    kwargs: dict[str, Any] = Field(default_factory=dict)
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="overrides of the preset or config fields, "
+                                                                     "or the factory's keyword arguments")
+
+    @field_validator("hf_config")
+    @classmethod
+    def _absolute(cls, value: dict[str, Any] | str | None) -> dict[str, Any] | str | None:
+        """A local config path is named absolutely: Ray workers do not run in the driver's folder."""
+        return str(Path(value).resolve()) if isinstance(value, str) and Path(value).exists() else value
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelSection":
         zoo = self.family is not None or self.size is not None
-        if zoo and self.target is not None:
-            raise ValueError("give either family+size (the zoo) or target (your own factory), not both")
-        if not zoo and self.target is None:
-            raise ValueError("give family+size (e.g. family: llama, size: tiny) or target: 'pkg.module:factory'")
+        sources = [name for name, given in (("family+size", zoo), ("hf_config", self.hf_config is not None),
+                                            ("target", self.target is not None)) if given]
+        if len(sources) > 1:
+            raise ValueError(f"give one model source, not both {' and '.join(sources)}")
+        if not sources:
+            raise ValueError("give family+size (e.g. family: llama, size: tiny), hf_config (a transformers config) "
+                             "or target: 'pkg.module:factory'")
         if zoo and (self.family is None or self.size is None):
             raise ValueError("a zoo model needs both family and size")
         if self.target is not None and ":" not in self.target:
             raise ValueError(f"target {self.target!r} must look like 'package.module:factory'")
+        if isinstance(self.hf_config, dict) and not self.hf_config.get("model_type"):
+            raise ValueError("an inline hf_config needs model_type (e.g. llama, gpt2)")
+        if isinstance(self.hf_config, str) and not Path(self.hf_config).exists():
+            raise ValueError(f"hf_config {self.hf_config!r} does not exist (give a local config.json or its folder)")
         return self
 
     @property
     def label(self) -> str:
-        return self.target if self.target else f"{self.family}-{self.size}"
+        if self.target:
+            return self.target
+        if self.hf_config is not None:
+            kind = self.hf_config.get("model_type") if isinstance(self.hf_config, dict) else self.hf_config
+            return f"hf-{kind}"
+        return f"{self.family}-{self.size}"
 
 
 class DataSection(_Section):
-    """Token source: synthetic tokens, the bundled corpus, or the user's text file (byte tokenizer)."""
+    """Token source and tokenizer: synthetic tokens, the bundled corpus, a text file, or prepared token files."""
 
-    source: Literal["synthetic", "corpus", "text_file"] = "corpus"
-    path: str | None = None
+    source: Literal["synthetic", "corpus", "text_file", "token_files"] = Field(
+        default="corpus", description="token_files: a folder written by `osdp-platform prepare`")
+    path: str | None = Field(default=None, description="the text file (text_file) or the folder (token_files)")
+    tokenizer: str | None = Field(
+        default=None, description="bytes (the default, vocab 256), bpe (shipped, trained on the corpus, vocab "
+                                  "1024) or a tokenizers JSON file; token files carry their own")
     seq_len: int = Field(default=64, ge=2)
 
+    @field_validator("path", "tokenizer")
+    @classmethod
+    def _absolute(cls, value: str | None) -> str | None:
+        """Existing local files are named absolutely: Ray workers do not run in the driver's folder."""
+        if value is None or value in ("bytes", "bpe") or not Path(value).exists():
+            return value
+        return str(Path(value).resolve())
+
     @model_validator(mode="after")
-    def _path_for_text_file(self) -> "DataSection":
+    def _source_inputs(self) -> "DataSection":
         if self.source == "text_file":
             if not self.path:
                 raise ValueError("source text_file needs path: the text file to train on")
             if not Path(self.path).is_file():
                 raise ValueError(f"text file {self.path!r} does not exist")
+        elif self.source == "token_files":
+            if not self.path:
+                raise ValueError("source token_files needs path: a folder written by `osdp-platform prepare`")
+            if not Path(self.path, "tokens.json").is_file():
+                raise ValueError(f"{self.path!r} holds no tokens.json: write it with `osdp-platform prepare "
+                                 "--tokenizer ... --out DIR FILES...`")
+            if self.tokenizer is not None:
+                raise ValueError("token files carry the tokenizer that made them (tokens.json): remove "
+                                 "data.tokenizer")
         elif self.path is not None:
-            raise ValueError(f"path is only used with source: text_file (source is {self.source!r})")
+            raise ValueError(f"path is only used with source text_file or token_files (source is {self.source!r})")
+        if self.source == "synthetic" and self.tokenizer not in (None, "bytes"):
+            raise ValueError("synthetic data is byte ids: remove data.tokenizer")
         return self
+
+
+# Resources Ray defines itself: a pool must be a custom resource, or it would not name a device type.
+RAY_BUILTIN_RESOURCES = frozenset({"CPU", "GPU", "TPU", "memory", "object_store_memory"})
+_RESOURCE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*")
 
 
 class HardwareSection(_Section):
@@ -68,6 +119,16 @@ class HardwareSection(_Section):
     preset: str = "cpu"
     memory_per_device_gb: float | None = Field(default=None, gt=0)
     autoscaling: bool = Field(default=False, description="the cluster adds nodes on demand: wait for them")
+    pool: str = Field(
+        default="auto",
+        description="Ray custom resource of which every worker and the planner take one unit, so the plan runs on "
+                    "the devices it was made for: `auto` = the GPU preset's pool (a100-80gb -> A100_80GB), none "
+                    "on CPU; `any` = no pool resource; or the name your nodes advertise",
+    )
+    wait_for_nodes_s: float = Field(
+        default=600.0, gt=0, description="how long the planner actor waits to be placed (for an autoscaler to "
+                                         "start a node of the pool) before the run stops with an error",
+    )
 
     @model_validator(mode="after")
     def _known_preset(self) -> "HardwareSection":
@@ -80,9 +141,34 @@ class HardwareSection(_Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _pool_is_a_custom_resource(self) -> "HardwareSection":
+        if self.pool in ("auto", "any"):
+            return self
+        if self.pool in RAY_BUILTIN_RESOURCES:
+            raise ValueError(
+                f"pool {self.pool!r} is a resource Ray defines for every node, not a device pool; name the custom "
+                "resource your pool's nodes advertise (e.g. A100_80GB), or use auto / any"
+            )
+        if not _RESOURCE_NAME.fullmatch(self.pool):
+            raise ValueError(
+                f"pool {self.pool!r} is not a Ray resource name; use letters, digits, '_', '.' or '-', starting "
+                "with a letter (e.g. A100_80GB), or auto / any"
+            )
+        return self
+
     @property
     def world_size(self) -> int:
         return self.nodes * self.workers_per_node
+
+    @property
+    def pool_resource(self) -> str | None:
+        """The custom resource every worker asks for: a GPU preset's name, upper-cased, unless named or `any`."""
+        if self.pool == "any":
+            return None
+        if self.pool == "auto":
+            return self.preset.upper().replace("-", "_") if self.accelerator == "gpu" else None
+        return self.pool
 
     @property
     def memory_per_device_bytes(self) -> int:
@@ -125,6 +211,12 @@ class TrainSection(_Section):
     seed: int = 0
     precision: Literal["fp32", "bf16-mixed"] = "fp32"
     checkpoint_every: int = Field(default=0, ge=0, description="steps between checkpoints; 0 = never")
+    checkpoint_dir: str | None = Field(
+        default=None, description="where checkpoints are stored, reachable from every worker: a path (shared "
+                                  "on a cluster) or a URI Ray Train storage supports (s3://, gs://, ...); "
+                                  "default: runs/ beside the driver")
+    checkpoints_to_keep: PositiveInt | None = Field(default=None, description="keep only the newest N; "
+                                                                             "default: all")
     max_failures: int = Field(default=1, ge=-1, description="worker-failure restarts from the last checkpoint; "
                                                          "-1 = unlimited")
 
@@ -132,6 +224,8 @@ class TrainSection(_Section):
 class TrackingSection(_Section):
     uri: str | None = Field(default=None, description="defaults to $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db")
     experiment: str = "osdp-platform"
+    wait_for_server_s: float = Field(default=300.0, ge=0, description="how long the end of a run waits for a "
+                                     "tracking server that went away before leaving its writes on disk")
 
     @property
     def resolved_uri(self) -> str:

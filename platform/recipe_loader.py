@@ -89,9 +89,13 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
         raise UserError("recipe", str(path), f"interpolation failed: {str(exc).splitlines()[0]}",
                         "point ${...} at an existing key") from None
     try:
-        return Recipe.model_validate(data)
+        recipe = Recipe.model_validate(data)
     except ValidationError as exc:
         raise _to_user_errors(str(path), exc) from None
+    from osdp_platform.data import check_vocab  # reads the tokenizer: only for a recipe that is valid so far
+
+    check_vocab(recipe)
+    return recipe
 
 
 def recipe_to_yaml(recipe: Recipe) -> str:

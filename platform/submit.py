@@ -2,25 +2,29 @@
 
 import statistics
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from ray.train import FailureConfig, RunConfig, ScalingConfig
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from osdp_planners import PlanResult
 from osdp_planners.plan import Plan
-from osdp_platform.checkpoint import check_resumable, find_resume_point
-from osdp_platform.cluster import check_cluster, check_local_devices, connect
-from osdp_platform.planning import plan_on_sample_worker
-from osdp_platform.progress import MetricsInbox, MetricsPump
+from osdp_platform.checkpoint import check_resumable, find_resume_point, storage_root
+from osdp_platform.cluster import beside_the_driver, check_cluster, check_local_devices, connect, pool_request
+from osdp_platform.inbox import MetricsInbox, MetricsPump
+from osdp_platform.planning import plan_on_sample_worker, profile_json
 from osdp_platform.recipe import Recipe
-from osdp_platform.tracking import RunTracker
+from osdp_platform.report import log_report
+from osdp_platform.system_metrics import NodeSamplers
+from osdp_platform.tracking import Metric, RunKind, RunTracker, check_reachable
 from osdp_platform.worker import WorkerConfig, train_loop
+
+RANK_PEAK_PREFIX = "peak_memory_bytes/rank"  # the worker's per-rank peaks (worker.StepMetrics)
 
 
 @dataclass
@@ -40,19 +44,25 @@ class RunSummary:
         timed = [s for s in self.steps[1:] if "peak_memory_bytes" not in s] or self.steps
         peaks = [s["peak_memory_bytes"] for s in self.steps if "peak_memory_bytes" in s]
         out = {
-            "first_loss": self.steps[0]["loss"],
-            "final_loss": self.steps[-1]["loss"],
-            "measured_step_time_s": statistics.median(s["step_time_s"] for s in timed),
+            Metric.FIRST_LOSS: self.steps[0]["loss"],
+            Metric.FINAL_LOSS: self.steps[-1]["loss"],
+            Metric.MEASURED_STEP_TIME: statistics.median(s["step_time_s"] for s in timed),
         }
-        out["measured_throughput_samples_per_s"] = self.plan.global_batch_size / out["measured_step_time_s"]
+        out[Metric.MEASURED_THROUGHPUT] = self.plan.global_batch_size / out[Metric.MEASURED_STEP_TIME]
         if peaks:
-            out["measured_peak_memory_bytes"] = max(peaks)
+            out[Metric.MEASURED_PEAK_MEMORY] = max(peaks)
         pred = self.plan.predicted
         if pred.step_time_s:
-            out["step_time_ratio"] = out["measured_step_time_s"] / pred.step_time_s
+            out[Metric.STEP_TIME_RATIO] = out[Metric.MEASURED_STEP_TIME] / pred.step_time_s
         if pred.peak_memory_bytes and peaks:
-            out["peak_memory_ratio"] = out["measured_peak_memory_bytes"] / pred.peak_memory_bytes
-        return out
+            out[Metric.PEAK_MEMORY_RATIO] = out[Metric.MEASURED_PEAK_MEMORY] / pred.peak_memory_bytes
+        return dict(out)
+
+    def rank_peaks(self) -> list[float]:
+        """Each rank's highest measured peak (empty where the worker logged none per rank)."""
+        ranks = sorted({int(k.removeprefix(RANK_PEAK_PREFIX)) for s in self.steps for k in s
+                        if k.startswith(RANK_PEAK_PREFIX)})
+        return [max(s.get(f"{RANK_PEAK_PREFIX}{r}", 0.0) for s in self.steps) for r in ranks]
 
 
 def _table(recipe: Recipe, summary: RunSummary) -> Table:
@@ -63,13 +73,13 @@ def _table(recipe: Recipe, summary: RunSummary) -> Table:
     table.add_column("predicted", justify="right")
     pred = plan.predicted
     mib = 1024**2
-    table.add_row("loss (first -> final)", f"{m['first_loss']:.4f} -> {m['final_loss']:.4f}", "")
-    table.add_row("step time (s, median)", f"{m['measured_step_time_s']:.4f}",
+    table.add_row("loss (first -> final)", f"{m[Metric.FIRST_LOSS]:.4f} -> {m[Metric.FINAL_LOSS]:.4f}", "")
+    table.add_row("step time (s, median)", f"{m[Metric.MEASURED_STEP_TIME]:.4f}",
                   f"{pred.step_time_s:.4f}" if pred.step_time_s else "-")
-    table.add_row("throughput (samples/s)", f"{m['measured_throughput_samples_per_s']:.1f}",
+    table.add_row("throughput (samples/s)", f"{m[Metric.MEASURED_THROUGHPUT]:.1f}",
                   f"{pred.throughput_samples_per_s:.1f}" if pred.throughput_samples_per_s else "-")
-    table.add_row("peak memory (MiB, max over ranks)",
-                  f"{m['measured_peak_memory_bytes'] / mib:.1f}" if "measured_peak_memory_bytes" in m else "-",
+    peak = m.get(Metric.MEASURED_PEAK_MEMORY)
+    table.add_row("peak memory (MiB, max over ranks)", f"{peak / mib:.1f}" if peak is not None else "-",
                   f"{pred.peak_memory_bytes / mib:.1f}" if pred.peak_memory_bytes else "-")
     table.add_row("batch (micro x accum x workers)",
                   f"{plan.micro_batch_size} x {plan.grad_accum_steps} x {plan.world_size}", "")
@@ -77,43 +87,21 @@ def _table(recipe: Recipe, summary: RunSummary) -> Table:
     return table
 
 
-def submit(recipe: Recipe, address: str | None = None, console: Console | None = None, resume: str | None = None,
-           train_fn: Callable[[dict[str, Any]], None] = train_loop) -> RunSummary:
-    """Plan and train `recipe`; `resume` is an earlier run's MLflow id to continue from its last checkpoint.
+def ray_logs_hint(console: Console) -> None:
+    console.print("Ray's logs and the workers' output: /tmp/ray/session_latest/logs on the head node "
+                  "(--verbose shows them here)", style="dim", markup=False)
 
-    A resumed run is a new MLflow run (tagged resumed_from_run): it may use another plan or worker count,
-    and one run's params and predictions describe one plan. `train_fn` wraps or replaces the worker loop.
-    """
-    console = console or Console()
-    check_local_devices(recipe, address)
-    point = find_resume_point(recipe, resume) if resume else None
-    connect(recipe, address)
-    check_cluster(recipe)
-    console.print(f"[bold]planning[/] {recipe.model.label} with planner {recipe.planner.name} on a sample worker")
-    plan, profile = plan_on_sample_worker(recipe)
-    if point is not None:
-        check_resumable(point, recipe, plan)
-    tracker = RunTracker.start(recipe, plan)
-    tracker.log_text(profile, "profile.json")
-    summary = RunSummary(tracker.run_id, plan, first_step=point.step if point else 0)
-    if point is not None:
-        for key, value in (("resumed_from_run", point.run_id), ("resumed_from_checkpoint", point.path),
-                           ("resumed_at_step", str(point.step))):
-            tracker.client.set_tag(tracker.run_id, key, value)
-        console.print(f"resuming run {point.run_id} at step {point.step} from {point.path}")
-    inbox = MetricsInbox.remote()
-    trainer = TorchTrainer(
-        train_fn,
-        train_loop_config=dict(WorkerConfig(recipe=recipe, plan=plan, inbox=inbox,
-                                            resume_from=point.path if point else None)),
-        scaling_config=ScalingConfig(num_workers=recipe.hardware.world_size,
-                                     use_gpu=recipe.hardware.accelerator == "gpu",
-                                     resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(name=f"{recipe.name}-{tracker.run_id[:8]}",
-                             storage_path=str(Path("runs").resolve()),
-                             failure_config=FailureConfig(max_failures=recipe.train.max_failures)),
-    )
+
+def warn_on(console: Console) -> Callable[[str], None]:
+    """Tracking warnings (a server that went away) printed where the user looks."""
+    return lambda message: console.print(f"warning: {message}", style="yellow", markup=False, highlight=False)
+
+
+def _train(trainer: TorchTrainer, recipe: Recipe, summary: RunSummary, tracker: RunTracker, inbox: Any,
+           console: Console) -> None:
+    """Run the workers with a progress bar while the pump moves their metrics, and node samples, to MLflow."""
     done = threading.Event()
+    samplers = NodeSamplers(inbox).start()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, refresh_per_second=2) as progress:
         task = progress.add_task("training", total=recipe.train.steps, completed=summary.first_step)
@@ -127,13 +115,62 @@ def submit(recipe: Recipe, address: str | None = None, console: Console | None =
         pump.start()
         try:
             trainer.fit()
-        except BaseException:
-            tracker.finish("FAILED")
-            raise
         finally:
+            samplers.stop()
             done.set()
             pump.join()
-    tracker.log_metrics(summary.measured(), step=recipe.train.steps)
+
+
+def submit(recipe: Recipe, address: str | None = None, console: Console | None = None, resume: str | None = None,
+           train_fn: Callable[[dict[str, Any]], None] = train_loop, planned: PlanResult | None = None,
+           tags: Mapping[str, str] | None = None, verbose: bool = False) -> RunSummary:
+    """Plan and train `recipe`; `resume` is an earlier run's MLflow id to continue from its last checkpoint.
+
+    A resumed run is a new MLflow run (tagged resumed_from_run): it may use another plan or worker count,
+    and one run's params and predictions describe one plan. `train_fn` wraps or replaces the worker loop;
+    `planned` is a plan already made on a sample worker (sweep); `tags` go on the run; `verbose` lets Ray's
+    own logs and the workers' output through to the terminal.
+    """
+    console = console or Console()
+    check_local_devices(recipe, address)
+    point = find_resume_point(recipe, resume) if resume else None
+    check_reachable(recipe.tracking.resolved_uri)
+    connect(recipe, address, verbose)
+    check_cluster(recipe)
+    if planned is None:
+        console.print(f"[bold]planning[/] {recipe.model.label} with planner {recipe.planner.name} on a sample worker")
+        planned = plan_on_sample_worker(recipe)
+    plan = planned.plan
+    if point is not None:
+        check_resumable(point, recipe, plan)
+    tracker = RunTracker.start(recipe, RunKind.TRAIN, plan, tags, warn=warn_on(console))
+    tracker.log_text(profile_json(planned), "profile.json")
+    summary = RunSummary(tracker.run_id, plan, first_step=point.step if point else 0)
+    if point is not None:
+        tracker.record_resume(point.run_id, point.path, point.step)
+        console.print(f"resuming run {point.run_id} at step {point.step} from {point.path}")
+    inbox = MetricsInbox.options(scheduling_strategy=beside_the_driver()).remote()  # type: ignore[attr-defined]
+    trainer = TorchTrainer(
+        train_fn,
+        train_loop_config=dict(WorkerConfig(recipe=recipe, plan=plan, inbox=inbox,
+                                            resume_from=point.path if point else None,
+                                            checkpoint_root=storage_root(recipe.train))),
+        scaling_config=ScalingConfig(num_workers=recipe.hardware.world_size,
+                                     use_gpu=recipe.hardware.accelerator == "gpu",
+                                     resources_per_worker={"CPU": 1, **pool_request(recipe.hardware)}),
+        run_config=RunConfig(name=f"{recipe.name}-{tracker.run_id[:8]}",
+                             storage_path=storage_root(recipe.train),
+                             checkpoint_config=CheckpointConfig(num_to_keep=recipe.train.checkpoints_to_keep),
+                             failure_config=FailureConfig(max_failures=recipe.train.max_failures)),
+    )
+    try:
+        _train(trainer, recipe, summary, tracker, inbox, console)
+    except BaseException:
+        tracker.finish("FAILED")
+        raise
+    measured = summary.measured()
+    tracker.log_metrics(measured, step=recipe.train.steps)
+    log_report(tracker, planned, summary.rank_peaks(), measured[Metric.MEASURED_STEP_TIME])
     tracker.finish()
     console.print(_table(recipe, summary))
     return summary

@@ -1,6 +1,6 @@
 """The per-worker training loop Ray Train runs: build, apply the plan, restore, train, send each step's metrics.
 
-Rank 0 sends per-step metrics to the driver's inbox as each step ends (see progress.py); Ray Train
+Rank 0 sends per-step metrics to the driver's inbox as each step ends (see inbox.py); Ray Train
 hears from the loop only with a checkpoint: on a CPU pool the workers share cores with Ray, and a
 report Ray Train handles every step would slow them. A CPU worker is pinned to a core of its own.
 """
@@ -16,12 +16,11 @@ from pydantic import BaseModel, ConfigDict
 
 from osdp_planners.local_ranks import pin_to_core
 from osdp_planners.plan import Plan
-from osdp_platform.apply import apply_plan
 from osdp_platform.checkpoint import CheckpointSaved, restore, save_and_report, should_save
 from osdp_platform.data import BatchSampler, load_tokens
+from osdp_platform.inbox import MetricsSender, StepReport
 from osdp_platform.memory import measure_step_peak
-from osdp_platform.models import build_model
-from osdp_platform.progress import MetricsSender
+from osdp_platform.models import build_sharded
 from osdp_platform.recipe import Recipe
 from osdp_platform.step import Batch, build_optimizer, train_step
 
@@ -62,7 +61,8 @@ class WorkerConfig(BaseModel):
 
     recipe: Recipe
     plan: Plan
-    inbox: Any = None  # the driver's MetricsInbox actor handle (progress.py); None: metrics are not sent
+    checkpoint_root: str  # Ray Train's storage_path (checkpoint.storage_root): where checkpoints go
+    inbox: Any = None  # the driver's MetricsInbox actor handle (inbox.py); None: metrics are not sent
     resume_from: str | None = None  # an earlier run's checkpoint folder (submit --resume)
 
 
@@ -99,8 +99,7 @@ def train_loop(config: dict[str, Any], before_step: Callable[[int], None] | None
         pin_to_core(ctx.get_local_rank(), ctx.get_local_world_size())
 
     torch.manual_seed(recipe.train.seed)
-    model = build_model(recipe.model, "cpu")
-    apply_plan(model, plan, device.type)
+    model = build_sharded(recipe.model, plan, device)
     optimizer = build_optimizer(model, recipe.train)
     saved = ray.get(cfg.inbox.latest_checkpoint.remote()) if cfg.inbox is not None else None
     first = restore(model, optimizer, saved.path if saved else None, cfg.resume_from)
@@ -126,6 +125,7 @@ def train_loop(config: dict[str, Any], before_step: Callable[[int], None] | None
             one_step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        ended_ms = int(time.time() * 1000)  # MLflow shows when the step ran, not when the driver wrote it
         times, peaks = _per_rank(time.perf_counter() - start, peak, world, device)
         elapsed = max(times)
         metrics = StepMetrics(
@@ -138,9 +138,9 @@ def train_loop(config: dict[str, Any], before_step: Callable[[int], None] | None
             rank_peak_memory_bytes=peaks if peak is not None else [],
         )
         if sender is not None:
-            sender.send((step, metrics.as_dict()))
+            sender.send(StepReport(step, ended_ms, metrics.as_dict()))
         if should_save(step, recipe.train.checkpoint_every, recipe.train.steps):
-            path = save_and_report(model, optimizer, step + 1, metrics.as_dict())
+            path = save_and_report(model, optimizer, step + 1, metrics.as_dict(), cfg.checkpoint_root)
             if path is not None and sender is not None:
                 sender.send(CheckpointSaved(step + 1, path))
     if sender is not None:

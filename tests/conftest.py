@@ -1,4 +1,4 @@
-"""Shared fixtures: one real local Ray for the session, recipes written into a temp folder."""
+"""Shared fixtures: one real local Ray and one real MLflow server for the session, a temp working folder."""
 
 import os
 from collections.abc import Iterator
@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 import ray
+
+from helpers import MlflowServer
 
 
 @pytest.fixture(scope="session")
@@ -26,3 +28,11 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     return tmp_path
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
+    server.start()
+    yield server
+    server.stop()

@@ -1,8 +1,63 @@
-"""Paths shared by the tests (tests/ is on sys.path; the repo root deliberately is not)."""
+"""Paths and a real MLflow server shared by the tests (tests/ is on sys.path; the repo root deliberately is not)."""
 
+import os
+import signal
+import socket
+import subprocess
 import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import requests
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
 CLI = str(Path(sys.executable).with_name("osdp-platform"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class MlflowServer:
+    """A real `mlflow server` on 127.0.0.1 (sqlite backend, artifact folder) that a test may stop and restart."""
+
+    root: Path
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def uri(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        log = (self.root / "server.log").open("ab")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{self.root}/mlflow.db",
+             "--artifacts-destination", str(self.root / "artifacts"), "--host", "127.0.0.1",
+             "--port", str(self.port), "--workers", "1"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, (self.root / "server.log").read_text()[-3000:]
+            try:
+                if requests.get(f"{self.uri}/health", timeout=2).ok:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        raise AssertionError(f"mlflow server did not answer in time:\n{(self.root / 'server.log').read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        """Kill the server and the processes it started (its own process group), as a crash would."""
+        if self.process is None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        self.process.wait(timeout=60)

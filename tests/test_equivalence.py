@@ -1,7 +1,8 @@
 """Numerical equivalence: plans trained on real gloo workers match one process fed the same global batch.
 
 One TorchTrainer.fit per world size runs every case in turn (each fit costs ~20 s of start-up). A case is
-a model, a plan and an optimizer; the workers report per-step losses and the full parameters gathered at
+a model, a plan and an optimizer; the workers build it as `train_loop` does (meta device, plan, then
+initialised shard by shard, see meta_init.py), report per-step losses and the full parameters gathered at
 the end (unsplit names), and the driver compares them with an unsharded model trained by plain PyTorch.
 
 AdamW normalises each gradient element, so it hides a gradient scaled by a constant (a wrong reduction
@@ -31,7 +32,7 @@ from osdp_planners.plan import Plan, Strategy, UnitPlan
 from osdp_planners.uniform import group_size, uniform_plan
 from osdp_platform.apply import PlanMismatch, apply_plan
 from osdp_platform.data import BatchSampler, load_tokens
-from osdp_platform.models import build_model
+from osdp_platform.models import build_model, build_sharded
 from osdp_platform.planning import plan_request
 from osdp_platform.recipe import ModelSection, Recipe
 from osdp_platform.step import build_optimizer, train_step
@@ -112,8 +113,8 @@ def _train_cases(config: dict[str, Any]) -> None:
     for name, (model_json, plan_json, optimizer_name) in config["cases"].items():
         start = time.perf_counter()
         torch.manual_seed(seed)
-        model = build_model(ModelSection.model_validate(model_json))
-        apply_plan(model, Plan.model_validate(plan_json), "cpu")
+        model = build_sharded(ModelSection.model_validate(model_json), Plan.model_validate(plan_json),
+                              torch.device("cpu"))
         optimizer = build_optimizer(model, recipes[optimizer_name].train)
         losses = []
         for step in range(STEPS):
@@ -134,9 +135,8 @@ def _reload(model: nn.Module, model_json: dict[str, Any], config: dict[str, Any]
     """Load `model`'s parameters into differently split copies, by full state dict and through DCP."""
     def fresh(name: str) -> nn.Module:
         torch.manual_seed(seed + 1)
-        other = build_model(ModelSection.model_validate(model_json))
-        apply_plan(other, Plan.model_validate(config["reload_plans"][name]), "cpu")
-        return other
+        return build_sharded(ModelSection.model_validate(model_json), Plan.model_validate(config["reload_plans"][name]),
+                             torch.device("cpu"))
 
     full = StateDictOptions(full_state_dict=True)
     from_full = fresh(RELOAD)

@@ -57,7 +57,7 @@ def _random_plan(rng: random.Random, shape: str, world: int, batch: int) -> Plan
         meta = SHAPES[shape]()
     choices = strategy_choices(world, world, 1)
     units = []
-    for u in find_units(meta):
+    for u in find_units(meta, SEQ):
         strategy, group = rng.choice(choices)
         units.append(UnitPlan(name=u.name, modules=list(u.modules), strategy=strategy, shard_group_size=group,
                               split=rng.choice(SPLITS) if u.linears else 1, checkpoint=rng.random() < 0.4,

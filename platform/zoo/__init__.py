@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from torch import nn
+import torch
+
+from osdp_planners.torch_private import detect_fake_mode
 
 from . import gpt2, llama, opt
 from .layers import ZooConfig, ZooModel
@@ -41,10 +43,27 @@ def zoo_config(family: str, size: str, **overrides: int | float | None) -> ZooCo
     return dataclasses.replace(sizes[size], **{k: v for k, v in overrides.items() if v is not None})
 
 
-def build_zoo_model(family: str, size: str, **overrides: int | float | None) -> nn.Module:
-    """Construct and initialise a zoo model on the current default device."""
-    config = zoo_config(family, size, **overrides)
+def zoo_module(family: str, size: str, **overrides: int | float | None) -> ZooModel:
+    """Construct on the current default device with PyTorch's default initialisers (no `init_weights`)."""
+    config = zoo_config(family, size, **overrides)  # validates the family before it is looked up
     return _MODELS[family](config)
 
 
-__all__ = ["FAMILIES", "ZooConfig", "ZooModel", "build_zoo_model", "zoo_config", "zoo_sizes"]
+def build_zoo_model(family: str, size: str, **overrides: int | float | None) -> ZooModel:
+    """Construct a zoo model on the current default device, initialised by `init_weights` alone.
+
+    Construction happens on meta, so PyTorch's default initialisers draw nothing from the RNG: the
+    weights depend only on the RNG state at the call, exactly as a sharded meta-device build's do.
+    On meta or on fake tensors (profiling) there are no values to draw.
+    """
+    device = torch.get_default_device()
+    if device.type == "meta" or detect_fake_mode() is not None:
+        return zoo_module(family, size, **overrides)
+    with torch.device("meta"):
+        model = zoo_module(family, size, **overrides)
+    model.to_empty(device=device)
+    model.init_weights()
+    return model
+
+
+__all__ = ["FAMILIES", "ZooConfig", "ZooModel", "build_zoo_model", "zoo_config", "zoo_module", "zoo_sizes"]

@@ -200,7 +200,7 @@ class ZooModel(nn.Module):
         self.layers = nn.ModuleList(blocks)
         self.head = head
         self.tie_head = tie_head
-        self.init_weights()
+        self.tie_weights()
 
     def tie_weights(self) -> None:
         """Make ``head.out`` share ``embed.tok``'s Parameter when the family ties them.
@@ -212,28 +212,29 @@ class ZooModel(nn.Module):
             self.head.out.weight = self.embed.tok.weight
 
     @torch.no_grad()
-    def init_weights(self) -> None:
-        """Re-tie the head, then reset every parameter from the global RNG in module order.
+    def init_module(self, module: nn.Module) -> None:
+        """Reset `module`'s own parameters from the global RNG: norms -> ones, biases -> zeros, the rest -> normal.
 
-        Kept separate from construction so a model built on meta and materialised with
-        ``to_empty`` can be initialised in place; on meta it is a no-op. A tied weight is drawn
-        once, so the RNG stream does not depend on how the sharing is discovered. Rules go by
-        module kind and parameter name (norms -> ones, biases -> zeros, the rest -> normal), so
-        they still apply after Linears are swapped for split replacements.
+        The rules go by module kind and parameter name, one module at a time, so a model built on meta
+        can be initialised shard by shard in the same RNG order (see osdp_platform.meta_init), and they
+        still apply after Linears are swapped for split replacements.
+        """
+        for name, param in module.named_parameters(recurse=False):
+            if isinstance(module, nn.LayerNorm | nn.RMSNorm) and name == "weight":
+                nn.init.ones_(param)
+            elif name.endswith("bias"):
+                nn.init.zeros_(param)
+            else:
+                nn.init.normal_(param, mean=0.0, std=INIT_STD)
+
+    def init_weights(self) -> None:
+        """Re-tie the head, then `init_module` every module in module order (on meta a no-op).
+
+        A tied weight is drawn at each module that holds it; the head's draw, the last, is the one kept.
         """
         self.tie_weights()
-        seen: set[int] = set()
         for module in self.modules():
-            for name, param in module.named_parameters(recurse=False):
-                if id(param) in seen:
-                    continue
-                seen.add(id(param))
-                if isinstance(module, nn.LayerNorm | nn.RMSNorm) and name == "weight":
-                    nn.init.ones_(param)
-                elif name.endswith("bias"):
-                    nn.init.zeros_(param)
-                else:
-                    nn.init.normal_(param, mean=0.0, std=INIT_STD)
+            self.init_module(module)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Map ``tokens [B, T]`` to next-token logits ``[B, T, vocab]``."""

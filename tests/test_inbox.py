@@ -1,5 +1,7 @@
-"""Rank 0 -> driver on a real local Ray and a real MLflow store: every step arrives, in order, and the
-inbox keeps the newest checkpoint for a restart (Ray Train may not have registered it yet)."""
+"""Rank 0 -> driver on a real local Ray and a real MLflow store: every step arrives, in order and stamped
+with the time it ended on rank 0 (not the driver's flush time), node samples arrive under MLflow's
+system-metric names, and the inbox keeps the newest checkpoint for a restart (Ray Train may not have
+registered it yet)."""
 
 import threading
 from pathlib import Path
@@ -7,12 +9,13 @@ from pathlib import Path
 import ray
 from mlflow.tracking import MlflowClient
 
-from osdp_platform.checkpoint import CHECKPOINT_PATH_TAG, CHECKPOINT_STEP_TAG, CheckpointSaved
-from osdp_platform.progress import MetricsInbox, MetricsPump, MetricsSender
-from osdp_platform.tracking import RunTracker
+from osdp_platform.checkpoint import CheckpointSaved
+from osdp_platform.inbox import MetricsInbox, MetricsPump, MetricsSender, NodeSample, StepReport
+from osdp_platform.tracking import RunTracker, Tag
 
 STEPS = 7
 CHECKPOINT_AFTER = (2, 5)  # steps after which a checkpoint is stored
+ENDED_MS = 1_700_000_000_000  # step s ended at ENDED_MS + 1000 s
 
 
 @ray.remote(num_cpus=0)
@@ -20,9 +23,10 @@ def _rank0(inbox: object) -> None:
     """What the worker loop's rank 0 does, in another process: send each step, then each checkpoint."""
     sender = MetricsSender(inbox)
     for step in range(STEPS):
-        sender.send((step, {"loss": 10.0 - step, "step_time_s": 0.01}))
+        sender.send(StepReport(step, ENDED_MS + 1000 * step, {"loss": 10.0 - step, "step_time_s": 0.01}))
         if step in CHECKPOINT_AFTER:
             sender.send(CheckpointSaved(step + 1, f"/ckpt/{step + 1}"))
+    sender.send(NodeSample("10.0.0.7", 0, ENDED_MS, {"cpu_utilization_percentage": 42.0}))
     sender.close()
 
 
@@ -30,7 +34,7 @@ def test_every_step_reaches_mlflow_and_the_inbox_keeps_the_newest_checkpoint(
         ray_cluster: None, tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = MlflowClient(uri)
-    run = client.create_run(client.create_experiment("progress"))
+    run = client.create_run(client.create_experiment("inbox"))
     tracker = RunTracker(uri, run.info.run_id)
     inbox = MetricsInbox.remote()  # type: ignore[attr-defined]
     seen: list[int] = []
@@ -44,10 +48,13 @@ def test_every_step_reaches_mlflow_and_the_inbox_keeps_the_newest_checkpoint(
     assert not pump.is_alive()
     assert seen == list(range(STEPS))
     history = client.get_metric_history(run.info.run_id, "loss")
-    assert sorted((m.step, m.value) for m in history) == [(s, 10.0 - s) for s in range(STEPS)]
+    assert sorted((m.step, m.value, m.timestamp) for m in history) == [
+        (s, 10.0 - s, ENDED_MS + 1000 * s) for s in range(STEPS)]
+    system = client.get_metric_history(run.info.run_id, "system/10.0.0.7/cpu_utilization_percentage")
+    assert [(m.step, m.value, m.timestamp) for m in system] == [(0, 42.0, ENDED_MS)]
     tags = client.get_run(run.info.run_id).data.tags
     newest = CHECKPOINT_AFTER[-1] + 1
-    assert tags[CHECKPOINT_STEP_TAG] == str(newest) and tags[CHECKPOINT_PATH_TAG] == f"/ckpt/{newest}"
+    assert tags[Tag.CHECKPOINT_STEP] == str(newest) and tags[Tag.CHECKPOINT_PATH] == f"/ckpt/{newest}"
     assert ray.get(inbox.latest_checkpoint.remote()) == CheckpointSaved(newest, f"/ckpt/{newest}")
 
 

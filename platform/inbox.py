@@ -1,11 +1,12 @@
-"""Per-step metrics and stored checkpoints from rank 0 to the driver, through an inbox actor.
+"""Per-step metrics, node samples and stored checkpoints reach the driver through an inbox actor.
 
 On a CPU pool the driver, the inbox and the workers share cores, and every message wakes a process
 that preempts a rank (its peers then wait at the next collective). So rank 0 pushes without waiting
 for an answer, the driver collects everything pending in one call per POLL_S, and MLflow is written
-every FLUSH_EVERY_S. A step's metrics leave rank 0 as the step ends, so a later failure of any
-worker does not lose them. The inbox outlives the workers, so it also keeps the newest stored
-checkpoint for a restart after a failure (see checkpoint.py).
+every FLUSH_EVERY_S. A step's metrics leave rank 0 as the step ends, stamped with that time, so a
+later failure of any worker does not lose them and MLflow shows when each step ran. The inbox
+outlives the workers, so it also keeps the newest stored checkpoint for a restart after a failure
+(see checkpoint.py). What reaches MLflow, and how, is the tracker's business (tracking.py).
 """
 
 import threading
@@ -16,13 +17,33 @@ from typing import Any
 
 import ray
 
-from osdp_platform.checkpoint import CHECKPOINT_PATH_TAG, CHECKPOINT_STEP_TAG, CheckpointSaved
-from osdp_platform.tracking import RunTracker
+from osdp_platform.checkpoint import CheckpointSaved
+from osdp_platform.tracking import RunTracker, system_metric
 
 POLL_S = 0.5
 FLUSH_EVERY_S = 5.0
 
-Message = tuple[int, dict[str, float]] | CheckpointSaved
+
+@dataclass(frozen=True)
+class StepReport:
+    """Rank 0 -> driver: one step's metrics, and when it ended (ms since the epoch, rank 0's clock)."""
+
+    step: int
+    ended_ms: int
+    metrics: dict[str, float]
+
+
+@dataclass(frozen=True)
+class NodeSample:
+    """A node's sampler -> driver: CPU, memory and GPU use of one node at one moment (system_metrics.py)."""
+
+    node: str
+    index: int
+    time_ms: int
+    metrics: dict[str, float]
+
+
+Message = StepReport | NodeSample | CheckpointSaved
 
 
 @ray.remote(num_cpus=0)
@@ -74,24 +95,26 @@ class MetricsPump:
     on_metrics: Callable[[int, dict[str, float]], None]  # each step's metrics as they arrive
 
     def run(self, done: threading.Event) -> None:
-        pending: list[tuple[int, dict[str, float]]] = []
+        pending: list[tuple[int, int, dict[str, float]]] = []
         flushed = time.monotonic()
         while True:
             finished = done.is_set()  # read before draining: what was pushed before the end is drained
             for message in ray.get(self.inbox.drain.remote()):
                 if isinstance(message, CheckpointSaved):  # its metrics first: tags never run ahead of them
-                    self.tracker.log_steps(pending)
+                    self.tracker.log_samples(pending)
                     pending.clear()
-                    self.tracker.client.set_tag(self.tracker.run_id, CHECKPOINT_PATH_TAG, message.path)
-                    self.tracker.client.set_tag(self.tracker.run_id, CHECKPOINT_STEP_TAG, str(message.step))
+                    self.tracker.record_checkpoint(message.step, message.path)
+                elif isinstance(message, NodeSample):
+                    named = {system_metric(message.node, k): v for k, v in message.metrics.items()}
+                    pending.append((message.index, message.time_ms, named))
                 else:
-                    self.on_metrics(*message)
-                    pending.append(message)
+                    self.on_metrics(message.step, message.metrics)
+                    pending.append((message.step, message.ended_ms, message.metrics))
             if finished:
                 break
             if pending and time.monotonic() - flushed > FLUSH_EVERY_S:
-                self.tracker.log_steps(pending)
+                self.tracker.log_samples(pending)
                 pending.clear()
                 flushed = time.monotonic()
             done.wait(POLL_S)
-        self.tracker.log_steps(pending)
+        self.tracker.log_samples(pending)

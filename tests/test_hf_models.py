@@ -1,0 +1,156 @@
+"""Hugging Face models from small configs (nothing downloaded): planned, built on meta, trained on 2 gloo workers.
+
+One TorchTrainer.fit trains every case: transformers' Llama (untied head) and GPT-2 (tied head, Conv1D
+layers) under DDP, ZeRO-3 and the OSDP planner's plan. Each must start from exactly the weights of a
+single-process build and reproduce the losses of one process fed the whole global batch.
+"""
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from ray.train import ScalingConfig
+from ray.train.torch import TorchTrainer
+from ray.util.queue import Queue
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from osdp_planners.plan import Plan, Strategy
+from osdp_planners.uniform import uniform_plan
+from osdp_platform.data import BatchSampler, load_tokens
+from osdp_platform.meta_init import init_protocol
+from osdp_platform.models import build_model, build_sharded
+from osdp_platform.planning import plan_recipe, plan_request
+from osdp_platform.recipe import ModelSection, Recipe
+from osdp_platform.step import build_optimizer, train_step
+
+STEPS = 3
+MICRO_BATCH = 2
+WORLD = 2
+LLAMA = {"model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 160,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+GPT2 = {"model_type": "gpt2", "vocab_size": 300, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64,
+        "bos_token_id": 0, "eos_token_id": 0,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}  # dropout draws differ per rank: no equality
+BUDGET_GB = 0.0017  # tight enough that OSDP mixes ZeRO-2 and ZeRO-3 on the Llama
+
+
+def _recipe(hf_config: dict[str, Any]) -> Recipe:
+    return Recipe.model_validate({
+        "model": {"hf_config": hf_config},
+        "data": {"source": "corpus", "seq_len": 32},
+        "hardware": {"workers_per_node": WORLD, "memory_per_device_gb": BUDGET_GB},
+        "train": {"steps": STEPS, "micro_batch_size": MICRO_BATCH, "lr": 1e-3},
+    })
+
+
+def _plans(recipe: Recipe) -> dict[str, Plan]:
+    meta = build_model(recipe.model, "meta")
+    plans = {s: uniform_plan(meta, plan_request(recipe), Strategy(s), MICRO_BATCH, 1) for s in ("ddp", "zero3")}
+    plans["osdp"] = plan_recipe(recipe).plan
+    # transformers' MLP is a unit made only of Linears: split, FSDP2 shards its slices and nothing else
+    split = [u.model_copy(update={"split": 2}) if u.name.endswith("mlp") else u for u in plans["zero3"].units]
+    assert split != plans["zero3"].units, "no MLP unit to split"
+    plans["zero3-mlp-split2"] = plans["zero3"].model_copy(update={"units": split})
+    return plans
+
+
+def _train_cases(config: dict[str, Any]) -> None:
+    """Worker loop: each case built on meta and sharded, its initial full weights and per-step losses to rank 0."""
+    import ray.train
+
+    torch.set_num_threads(1)
+    rank = ray.train.get_context().get_world_rank()
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    results: dict[str, dict[str, Any]] = {}
+    for name, (recipe_json, plan_json) in config["cases"].items():
+        recipe, plan = Recipe.model_validate(recipe_json), Plan.model_validate(plan_json)
+        sampler = BatchSampler(load_tokens(recipe.data, recipe.train.seed), recipe.data.seq_len, recipe.train.seed)
+        torch.manual_seed(recipe.train.seed)
+        model = build_sharded(recipe.model, plan, torch.device("cpu"))
+        initial = {k: v.clone() for k, v in get_model_state_dict(model, options=full).items()}  # DDP's may alias
+        optimizer = build_optimizer(model, recipe.train)
+        losses = []
+        for step in range(STEPS):
+            mean = train_step(model, optimizer, sampler.micro_batches(step, 1, MICRO_BATCH, rank, WORLD), 1)
+            dist.all_reduce(mean)
+            losses.append(float(mean) / WORLD)
+        results[name] = {"losses": losses, "initial": initial}
+    dist.barrier()
+    if rank == 0:
+        config["results"].put(results)
+
+
+def _reference(recipe: Recipe) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, the whole model, the whole global batch."""
+    torch.manual_seed(recipe.train.seed)
+    model = build_model(recipe.model)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = build_optimizer(model, recipe.train)
+    sampler = BatchSampler(load_tokens(recipe.data, recipe.train.seed), recipe.data.seq_len, recipe.train.seed)
+    losses = [float(train_step(model, optimizer, [sampler.global_batch(step, 0, MICRO_BATCH * WORLD)], 1))
+              for step in range(STEPS)]
+    return losses, initial
+
+
+def test_transformers_models_train_the_same_under_every_plan(ray_cluster: None) -> None:
+    recipes = {"llama": _recipe(LLAMA), "gpt2": _recipe(GPT2)}
+    cases = {f"{model}-{planner}": (recipe.model_dump(mode="json"), plan.model_dump(mode="json"))
+             for model, recipe in recipes.items() for planner, plan in _plans(recipe).items()}
+    queue = Queue(actor_options={"num_cpus": 0})
+    TorchTrainer(_train_cases, train_loop_config={"cases": cases, "results": queue},
+                 scaling_config=ScalingConfig(num_workers=WORLD)).fit()
+    results = queue.get(timeout=60)
+    for model, recipe in recipes.items():
+        ref_losses, ref_initial = _reference(recipe)
+        assert ref_losses[-1] < ref_losses[0], model
+        for planner in ("ddp", "zero3", "osdp", "zero3-mlp-split2"):
+            got = results[f"{model}-{planner}"]
+            assert list(got["initial"]) == list(ref_initial)
+            assert all(torch.equal(got["initial"][k], ref_initial[k]) for k in ref_initial), (model, planner)
+            assert got["losses"] == pytest.approx(ref_losses, rel=1e-5), (model, planner)
+
+
+def tiny_llama(**overrides: Any) -> nn.Module:
+    """A `model.target` factory returning a transformers model (its forward returns a ModelOutput)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    fields = {k: v for k, v in LLAMA.items() if k != "model_type"} | overrides
+    return AutoModelForCausalLM.from_config(LlamaConfig(**fields, use_cache=False))
+
+
+def plain_lm(vocab: int = 256, dim: int = 16) -> nn.Module:
+    """A `model.target` factory without an init protocol: built whole by its own constructor."""
+    return nn.Sequential(nn.Embedding(vocab, dim), nn.Linear(dim, vocab))
+
+
+def test_target_factories_with_and_without_an_init_protocol() -> None:
+    section = ModelSection.model_validate({"target": "test_hf_models:tiny_llama", "kwargs": {"num_hidden_layers": 1}})
+    torch.manual_seed(3)
+    model = build_model(section)
+    assert init_protocol(model) is not None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, 256, (2, 16))
+    assert type(model(x)).__name__ == "CausalLMOutputWithPast"
+    losses = [float(train_step(model, optimizer, [(x, x.roll(-1, 1))], 1)) for _ in range(3)]
+    assert losses[-1] < losses[0]
+    plain = ModelSection.model_validate({"target": "test_hf_models:plain_lm"})
+    torch.manual_seed(3)
+    built = build_model(plain)
+    torch.manual_seed(3)
+    own = plain_lm()
+    assert init_protocol(built) is None
+    assert all(torch.equal(a, b) for a, b in zip(built.state_dict().values(), own.state_dict().values(), strict=True))
+
+
+def test_hf_config_from_a_local_config_file(tmp_path: Path) -> None:
+    from transformers import LlamaConfig
+
+    LlamaConfig(**{k: v for k, v in LLAMA.items() if k != "model_type"}).save_pretrained(tmp_path)
+    from_file = build_model(ModelSection.model_validate({"hf_config": str(tmp_path)}), "meta")
+    inline = build_model(ModelSection.model_validate({"hf_config": LLAMA}), "meta")
+    assert type(from_file) is type(inline)
+    shapes = [[(n, p.shape) for n, p in m.named_parameters()] for m in (from_file, inline)]
+    assert shapes[0] == shapes[1] and shapes[0]
