@@ -51,7 +51,7 @@ def _plans(recipe: Recipe) -> dict[str, Plan]:
     plans = {s: uniform_plan(meta, plan_request(recipe), Strategy(s), MICRO_BATCH, 1) for s in ("ddp", "zero3")}
     plans["osdp"] = plan_recipe(recipe).plan
     # transformers' MLP is a unit made only of Linears: split, FSDP2 shards its slices and nothing else
-    split = [u.model_copy(update={"split": 2}) if u.name.endswith("mlp") else u for u in plans["zero3"].units]
+    split = [u.model_copy(update={"split": 2}) if "mlp" in u.name else u for u in plans["zero3"].units]
     assert split != plans["zero3"].units, "no MLP unit to split"
     plans["zero3-mlp-split2"] = plans["zero3"].model_copy(update={"units": split})
     return plans
