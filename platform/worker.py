@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict
+from torch import nn
 
 from osdp_planners.local_ranks import pin_to_core
 from osdp_planners.plan import Plan
@@ -74,6 +75,24 @@ def _per_rank(elapsed: float, peak: int | None, world: int, device: torch.device
     return [float(t[0]) for t in gathered], [float(t[1]) for t in gathered]
 
 
+def timed_step(model: nn.Module, optimizer: torch.optim.Optimizer, one_step: Callable[[], None],
+               device: torch.device, world: int, probe: bool) -> tuple[list[float], list[float], int | None]:
+    """Run one step from a barrier: every rank's time and peak memory, and this rank's peak (None unprobed).
+
+    The step's time is the slowest rank's (`max` of the first list): the others wait for it at the
+    next collective. The benchmarks time plans with this same function.
+    """
+    dist.barrier()
+    start = time.perf_counter()
+    peak = measure_step_peak(model, optimizer, one_step, device) if probe else None
+    if peak is None:
+        one_step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    times, peaks = _per_rank(time.perf_counter() - start, peak, world, device)
+    return times, peaks, peak
+
+
 def _reduce(value: float, op: dist.ReduceOp, device: torch.device) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=op)
@@ -118,15 +137,8 @@ def train_loop(config: dict[str, Any], before_step: Callable[[int], None] | None
             nonlocal loss
             loss = float(train_step(model, optimizer, batches, plan.grad_accum_steps))
 
-        dist.barrier()
-        start = time.perf_counter()
-        peak = measure_step_peak(model, optimizer, one_step, device) if step in probes else None
-        if peak is None:
-            one_step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        times, peaks, peak = timed_step(model, optimizer, one_step, device, world, step in probes)
         ended_ms = int(time.time() * 1000)  # MLflow shows when the step ran, not when the driver wrote it
-        times, peaks = _per_rank(time.perf_counter() - start, peak, world, device)
         elapsed = max(times)
         metrics = StepMetrics(
             step=step,

@@ -1,0 +1,197 @@
+"""OSDP's plan beside every uniform plan that fits, measured on real Ray Train gloo workers.
+
+Plans every cell in this process with the shipped planner (benchmarks/cells.py), then starts one
+TorchTrainer per world size whose loop runs every unique plan for a few steps, repeats interleaved
+(repeat r of every plan before repeat r+1 of any), timed as the worker loop times a step
+(`osdp_platform.worker.timed_step`, aggregated by `RunSummary.measured`). Adds the operator-splitting
+sweep, the paper's setups predicted with presets, the search-time benchmark's last result and the
+issue's `submit` check, and writes benchmarks/RESULTS.md, benchmarks/results/side_by_side.json and PNGs.
+Run: .venv/bin/python benchmarks/side_by_side.py [--quick]
+"""
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+from ray.train import ScalingConfig
+from ray.train.torch import TorchTrainer
+from ray.util.queue import Queue
+from rich.console import Console
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cells import BUDGET_POINTS, SHAPES, Jobs, plan_cells, recipe_for, split_plans
+from report import write_report
+
+from osdp_planners.errors import UserError
+from osdp_planners.local_ranks import pin_to_core
+from osdp_planners.plan import Plan
+from osdp_platform.apply import apply_plan
+from osdp_platform.data import BatchSampler, load_tokens
+from osdp_platform.models import build_model
+from osdp_platform.planning import plan_recipe
+from osdp_platform.recipe import Recipe
+from osdp_platform.recipe_loader import load_recipe
+from osdp_platform.step import build_optimizer, train_step
+from osdp_platform.submit import RunSummary, submit
+from osdp_platform.worker import memory_probe_steps, timed_step
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+PAPER = {  # recipe, overrides, what the OSDP paper's research code published for the setup
+    "GPT-2 48 layers / hidden 1536, 8 x RTX TITAN, 8 GB": ("gpt2.yaml", [], "1.22x over FSDP (published)"),
+    "OPT-30B width, 8 layers, 8 x RTX TITAN, 16 GB": ("opt.yaml", [], "2.78x over FSDP (published)"),
+    "Llama-2-7B, 8 x A100-80GB": ("llama.yaml", [], "-"),
+    "Llama-2-70B, 64 x H100-80GB": ("llama-70b.yaml", ["hardware.preset=h100-80gb"], "-"),
+}
+
+
+def _run_one(recipe: Recipe, plan: Plan, steps: int, rank: int, world: int) -> list[dict[str, float]]:
+    """One plan for `steps` steps on this rank, each step timed as the worker loop times it."""
+    device = torch.device("cpu")
+    torch.manual_seed(recipe.train.seed)
+    model = build_model(recipe.model, "cpu")
+    apply_plan(model, plan, "cpu")
+    optimizer = build_optimizer(model, recipe.train)
+    sampler = BatchSampler(load_tokens(recipe.data, recipe.train.seed), plan.seq_len, recipe.train.seed)
+    probes = memory_probe_steps(steps, "cpu")
+    record: list[dict[str, float]] = []
+    for step in range(steps):
+        batches = list(sampler.micro_batches(step, plan.grad_accum_steps, plan.micro_batch_size, rank, world))
+        losses: list[float] = []
+
+        def one_step(batches: list = batches, losses: list[float] = losses) -> None:
+            losses.append(float(train_step(model, optimizer, batches, plan.grad_accum_steps)))
+
+        times, peaks, peak = timed_step(model, optimizer, one_step, device, world, step in probes)
+        record.append({"step_time_s": max(times), "loss": losses[0]}
+                      | ({"peak_memory_bytes": max(peaks)} if peak is not None else {}))
+    return record
+
+
+def _run_plans(config: dict[str, Any]) -> None:
+    """Ray Train loop: every job, `repeats` rounds interleaved; rank 0 sends each run's per-step metrics."""
+    import ray.train
+
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    pin_to_core(ctx.get_local_rank(), ctx.get_local_world_size())
+    recipes = {s: Recipe.model_validate(r) for s, r in config["recipes"].items()}
+    for r in range(config["repeats"]):
+        for key, (shape, plan_json) in config["jobs"].items():
+            record = _run_one(recipes[shape], Plan.model_validate_json(plan_json), config["steps"], rank, world)
+            if rank == 0:
+                config["results"].put((r, key, record))
+            gc.collect()
+
+
+def measure(world: int, jobs: Jobs, steps: int, repeats: int) -> dict[str, list[dict[str, float]]]:
+    """One TorchTrainer for all of this world size's jobs; each job's measured aggregates per repeat."""
+    recipes = {s: recipe_for(s, world, "ddp", 1).model_dump(mode="json") for s in set(jobs.shape_of.values())}
+    queue = Queue(actor_options={"num_cpus": 0})
+    config = {"recipes": recipes, "steps": steps, "repeats": repeats, "results": queue,
+              "jobs": {k: (jobs.shape_of[k], p.to_json()) for k, p in jobs.plans.items()}}
+    TorchTrainer(_run_plans, train_loop_config=config,
+                 scaling_config=ScalingConfig(num_workers=world)).fit()
+    out: dict[str, list[dict[str, float]]] = {k: [] for k in jobs.plans}
+    for _ in range(repeats * len(jobs.plans)):
+        _r, key, record = queue.get(timeout=60)
+        out[key].append(RunSummary("", jobs.plans[key], record).measured())
+    ray.kill(queue.actor)
+    return out
+
+
+def paper_setups() -> list[dict[str, Any]]:
+    rows = []
+    for label, (name, overrides, published) in PAPER.items():
+        recipe = load_recipe(ROOT / "recipes" / name, ["planner.name=osdp", *overrides])
+        plan = plan_recipe(recipe).plan
+        fits = {k: b for k, b in plan.baselines.items() if b.fits and b.throughput_samples_per_s}
+        best = max(fits, key=lambda k: fits[k].throughput_samples_per_s) if fits else None
+        rows.append({"setup": label, "command": f"osdp-platform plan recipes/{name} {' '.join(overrides)}".strip(),
+                     "preset": recipe.hardware.preset, "osdp_throughput": plan.predicted.throughput_samples_per_s,
+                     "osdp_mix": sorted({f"{u.strategy.value}({u.shard_group_size})x{u.split}" for u in plan.units}),
+                     "best_uniform": best, "best_uniform_throughput": fits[best].throughput_samples_per_s if best
+                     else None, "baselines": {k: b.model_dump() for k, b in plan.baselines.items()},
+                     "published": published})
+    return rows
+
+
+def submit_check(repeats: int, tmp: str) -> dict[str, list[float]]:
+    """The issue's check: tiny at 1 GiB, ddp vs osdp, interleaved, median step time per run."""
+    out: dict[str, list[float]] = {"ddp": [], "osdp": []}
+    for _ in range(repeats):
+        for name in out:
+            recipe = load_recipe(ROOT / "recipes" / "tiny.yaml", [f"planner.name={name}",
+                                 "hardware.memory_per_device_gb=1", f"tracking.uri=sqlite:///{tmp}/bench-m.db"])
+            out[name].append(submit(recipe, console=Console(quiet=True)).measured()["measured_step_time_s"])
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="smoke run: 2 workers, one shape, fewer steps")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="folder for RESULTS.md and results/ (default: benchmarks/, or a temp folder with --quick)")
+    parser.add_argument("--report", type=Path, default=None, help="only re-render RESULTS.md from this JSON")
+    args = parser.parse_args()
+    if args.report:
+        out = args.report.parent.parent
+        write_report(json.loads(args.report.read_text()), out / "RESULTS.md", out / "results", "side_by_side")
+        return
+    steps = args.steps or (4 if args.quick else 6)
+    worlds = (2,) if args.quick else (2, 4)
+    shapes = ["llama-tiny"] if args.quick else list(SHAPES)
+    split_shape = shapes[-1]  # the wide model in the full run
+    console = Console()
+    started = time.perf_counter()
+    command = "python benchmarks/side_by_side.py" + (" --quick" if args.quick else "")
+    result: dict[str, Any] = {"split_shape": split_shape, "command": command,
+                              "steps": steps, "repeats": args.repeats, "worlds": list(worlds), "runs": {}}
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        cells, split = [], {}
+        for world in worlds:
+            jobs = Jobs()
+            t0 = time.perf_counter()
+            world_cells = plan_cells(world, jobs, shapes)
+            if world == 2:
+                at = next(c for c in world_cells if c.shape == split_shape and c.budget_label == BUDGET_POINTS[1][0])
+                split = split_plans(world, split_shape, at.budget_gb, jobs)
+            console.print(f"world {world}: {len(world_cells)} cells, {len(jobs.plans)} unique plans, planned in "
+                          f"{time.perf_counter() - t0:.0f} s")
+            runs = measure(world, jobs, steps, args.repeats)
+            result["runs"][str(world)] = {k: {"plan": json.loads(jobs.plans[k].to_json()), "measured": v}
+                                          for k, v in runs.items()}
+            cells += [asdict(c) for c in world_cells]
+            console.print(f"world {world}: measured, {time.perf_counter() - started:.0f} s so far")
+        result["cells"], result["split"] = cells, {str(k): v for k, v in split.items()}
+        result["paper"] = [] if args.quick else paper_setups()
+        if not args.quick:
+            with tempfile.TemporaryDirectory() as tmp:
+                result["submit_check"] = submit_check(args.repeats, tmp)
+    except UserError as exc:
+        console.print(f"[red]{exc}")
+        raise SystemExit(2) from None
+    finally:
+        ray.shutdown()
+    result["wall_s"] = time.perf_counter() - started
+    search = HERE / "results" / "search_time.json"
+    result["search_time"] = json.loads(search.read_text()) if search.is_file() else None
+    out = args.out or (Path(tempfile.gettempdir()) / "osdp-side-by-side-quick" if args.quick else HERE)
+    (out / "results").mkdir(parents=True, exist_ok=True)
+    (out / "results" / "side_by_side.json").write_text(json.dumps(result, indent=1))
+    write_report(result, out / "RESULTS.md", out / "results", "side_by_side")
+    console.print(f"done in {result['wall_s']:.0f} s: {out / 'RESULTS.md'}")
+
+if __name__ == "__main__":
+    main()
