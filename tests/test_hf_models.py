@@ -34,7 +34,7 @@ LLAMA = {"model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermedi
 GPT2 = {"model_type": "gpt2", "vocab_size": 300, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64,
         "bos_token_id": 0, "eos_token_id": 0,
         "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}  # dropout draws differ per rank: no equality
-BUDGET_GB = 0.0017  # tight enough that OSDP mixes ZeRO-2 and ZeRO-3 on the Llama
+BUDGET_GB = 0.0018  # tight enough that OSDP mixes strategies on the Llama (2% of it is the margin)
 
 
 def _recipe(hf_config: dict[str, Any]) -> Recipe:

@@ -184,6 +184,9 @@ class _Custom(nn.Module):
         self.body = nn.Linear(4, 4)
         self.extra = nn.Parameter(torch.empty(3))
 
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.body(tokens.unsqueeze(-1).float().expand(*tokens.shape, 4)) + self.extra.sum()
+
     def init_module(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
             module.reset_parameters()
