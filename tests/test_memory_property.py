@@ -27,7 +27,7 @@ from osdp_platform.fake_rank import measure_fake_rank
 from osdp_platform.zoo import build_zoo_model
 
 SEQ = 32
-CASES = 16
+CASES = 10
 UNDER_LIMIT = 0.02
 
 SHAPES: dict[str, Callable[[], nn.Module]] = {
