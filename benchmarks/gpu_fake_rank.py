@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from osdp_planners.evaluate import evaluate
+from osdp_planners import PlanResult
+from osdp_planners.evaluate import Context, evaluate
 from osdp_planners.margin import DEFAULT_FRACTION
 from osdp_planners.options import Option
 from osdp_planners.plan import Plan, Strategy
@@ -36,15 +37,17 @@ RESULTS = Path(__file__).resolve().parent / "results" / "gpu_fake_rank.json"
 MIB = 1024**2
 
 
-def _plans(recipe: Recipe) -> dict[str, Plan]:
-    def planned(name: str) -> Plan:
+def _plans(recipe: Recipe) -> tuple[dict[str, Plan], Context]:
+    """The three plans, and the context (profile, times) they were predicted in: planned once each."""
+    def planned(name: str) -> PlanResult:
         return plan_recipe(recipe.model_copy(update={"planner": recipe.planner.model_copy(
-            update={"name": name, "memory_limit_gb": 1e4})})).plan
+            update={"name": name, "memory_limit_gb": 1e4})}))
 
-    dp, zero3 = planned("ddp"), planned("zero3")
+    dp, result = planned("ddp").plan, planned("zero3")
+    zero3 = result.plan
     mixed = [u.model_copy(update={"strategy": Strategy.DDP, "shard_group_size": 1}) if i % 2 else u
              for i, u in enumerate(zero3.units)]
-    return {"ddp": dp, "zero3": zero3, "mixed": zero3.model_copy(update={"units": mixed})}
+    return {"ddp": dp, "zero3": zero3, "mixed": zero3.model_copy(update={"units": mixed})}, result.context
 
 
 def _measure(recipe: Recipe, plan: Plan, device: torch.device, meshes: Meshes, steps: int) -> dict[str, int]:
@@ -84,9 +87,7 @@ def main() -> None:
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    plans = _plans(recipe)
-    ctx = plan_recipe(recipe.model_copy(update={"planner": recipe.planner.model_copy(
-        update={"name": "zero3", "memory_limit_gb": 1e4})})).context
+    plans, ctx = _plans(recipe)
     register_fake_backend()
     dist.init_process_group("fake", rank=0, world_size=args.world, store=dist.HashStore())
     meshes = Meshes(device.type, args.world, {})
