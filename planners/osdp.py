@@ -26,6 +26,11 @@ TIE_BREAK = 1e-8
 AUTO_MILP_BINARIES = 1100
 AUTO_TIME_LIMIT_S = 5.0
 GIB = 1024**3
+# a plan the runtime works harder for (more sharding, more FSDP2 units, recomputation) is chosen over a
+# simpler one only if predicted at least this much faster: below it, measured rankings did not follow
+# predicted ones (benchmarks/RESULTS.md, CPU gloo pools), and it bounds what trusting the simpler plan
+# can lose, were the model right, to 3%
+NEAR_TIE = 0.03
 
 
 @dataclass(frozen=True)
@@ -174,13 +179,23 @@ def search_osdp(ctx: Context, req: PlanRequest) -> Choice | None:
         if best is None or ev.throughput > best.evaluation.throughput:
             best = Choice(chosen, batch, accum, ev)
     # the search's bound is conservative: a uniform plan, or the smallest footprint, may fit when
-    # simulated and beat it; OSDP never returns less than the best of them
+    # simulated and beat it
     others = [best_uniform(ctx, req, s) for s in Strategy] + [smallest_footprint(ctx, req)]
-    for other in others:
-        if other is not None and other.evaluation.peak_bytes <= ctx.memory_limit and (
-                best is None or other.evaluation.throughput > best.evaluation.throughput):
-            best = other
-    return best
+    fitting = [c for c in [best, *others] if c is not None and c.evaluation.peak_bytes <= ctx.memory_limit]
+    return prefer_simpler(fitting) if fitting else None
+
+
+def simplicity(choice: Choice) -> tuple[int, int, bool]:
+    """How hard the runtime works for a plan: its costliest unit's kind in runtime_preference (a mixed
+    plan of DP and ZeRO-2 units is run like ZeRO-2, plus a second set of process groups)."""
+    return max(runtime_preference(o) for o in choice.options.values())
+
+
+def prefer_simpler(choices: list[Choice]) -> Choice:
+    """The simplest plan predicted within NEAR_TIE of the fastest, the faster of equally simple ones."""
+    fastest = max(c.evaluation.throughput for c in choices)
+    near = [c for c in choices if c.evaluation.throughput * (1 + NEAR_TIE) >= fastest]
+    return min(near, key=lambda c: (simplicity(c), -c.evaluation.throughput))
 
 
 def best_uniform(ctx: Context, req: PlanRequest, strategy: Strategy) -> Choice | None:

@@ -361,3 +361,35 @@ def test_planned_peak_fits_the_limit(family: str, factor: float, global_batch: i
     assert peak <= limit
     if global_batch is not None:
         assert plan.global_batch_size == global_batch
+
+
+def choice(throughput: float, *kinds: Option) -> osdp.Choice:
+    """A plan of one unit per option with a given predicted throughput (what prefer_simpler reads)."""
+    ev = osdp.Evaluation(peak_bytes=0.0, step_time_s=1 / throughput, throughput=throughput, unit_time_s={},
+                         unit_resident={}, timeline=None)  # type: ignore[arg-type]  # unused by the choice
+    return osdp.Choice({f"u{i}": o for i, o in enumerate(kinds)}, 1, 1, ev)
+
+
+def test_a_harder_plan_must_be_predicted_clearly_faster() -> None:
+    dp, zero2, zero3 = Option(Strategy.DDP, 1), Option(Strategy.ZERO2, 4), Option(Strategy.ZERO3, 4)
+    uniform_dp, mixed = choice(100.0, dp, dp), choice(102.0, dp, zero2)
+    assert osdp.prefer_simpler([mixed, uniform_dp]) is uniform_dp  # 2% is inside the model's resolution
+    clearly = choice(104.0, dp, zero2)
+    assert osdp.prefer_simpler([uniform_dp, clearly]) is clearly
+    uniform_zero3 = choice(101.0, zero3, zero3)
+    assert osdp.prefer_simpler([uniform_zero3, mixed]) is mixed  # ZeRO-3 everywhere runs harder than ZeRO-2
+    split = choice(102.5, dp, Option(Strategy.DDP, 1, split=2))
+    assert osdp.prefer_simpler([split, uniform_dp]) is uniform_dp
+
+
+@pytest.mark.parametrize("factor", [1.3, 2.0, 40.0])
+def test_osdp_never_trails_a_fitting_uniform_plan_by_more_than_the_resolution(factor: float) -> None:
+    ctx = context("llama")
+    need = osdp.smallest_footprint(ctx, request("llama")).evaluation.peak_bytes
+    plan = make_plan_for(builder("llama", 2), request("llama", limit=int(factor * need))).plan
+    got = plan.predicted.throughput_samples_per_s
+    assert got is not None
+    for name, b in plan.baselines.items():
+        if b.fits:
+            assert b.throughput_samples_per_s is not None
+            assert got * 1.03 >= b.throughput_samples_per_s, (name, got, b.throughput_samples_per_s)
