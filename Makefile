@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 # mypy sees platform/ and planners/ under their import names through links (see [tool.mypy] in pyproject.toml)
 TYPECHECK_SRC := build/typecheck
 
-.PHONY: run test lint typecheck
+.PHONY: run test lint typecheck docs
 run: $(STAMP)
 	$(VENV)/bin/osdp-platform submit recipes/tiny.yaml
 
@@ -24,6 +24,10 @@ typecheck: $(STAMP)
 	@mkdir -p $(TYPECHECK_SRC) && ln -sfn ../../platform $(TYPECHECK_SRC)/osdp_platform \
 		&& ln -sfn ../../planners $(TYPECHECK_SRC)/osdp_planners
 	$(VENV)/bin/mypy
+
+# the README's recipe reference, rendered from platform/recipe.py
+docs: $(STAMP)
+	$(VENV)/bin/python -m osdp_platform.recipe_docs --write README.md
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
