@@ -91,7 +91,7 @@ class SplitLinear(nn.Module):
 
     @property
     def pieces(self) -> list[nn.Linear]:
-        """The slices, typed: a ModuleList is declared to hold any Module, these are all Linears."""
+        """`slices` typed as what they are: a ModuleList is declared to hold any Module."""
         return cast(list[nn.Linear], list(self.slices))
 
     @property
@@ -161,6 +161,7 @@ def to_split_names(model: nn.Module, state_dict: dict[str, Any]) -> dict[str, An
 
 
 def linear_at(model: nn.Module, path: str) -> nn.Linear:
+    """The nn.Linear at `path` (a TypeError names what is there instead)."""
     linear = model.get_submodule(path)
     if not isinstance(linear, nn.Linear):
         raise TypeError(f"{path} is a {type(linear).__name__}, not nn.Linear")

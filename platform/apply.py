@@ -86,8 +86,8 @@ def apply_plan(model: nn.Module, plan: Plan, device_type: str, meshes: Meshes | 
         if unit.modules == [""]:
             root_unit = unit
             continue
-        kwargs: _ShardArgs = {"mesh": meshes.for_group(unit.shard_group_size), "reshard_after_forward": _reshard(unit),
-                  "mp_policy": mp}
+        kwargs: _ShardArgs = {"mesh": meshes.for_group(unit.shard_group_size),
+                              "reshard_after_forward": _reshard(unit), "mp_policy": mp}
         if unit.split > 1:
             for path in linears[unit.name]:
                 split = split_linear_in(model, path, unit.split)
