@@ -100,7 +100,7 @@ class Bound:
     @cached_property
     def _signatures(self) -> dict[str, tuple[object, ...]]:
         p = self.ctx.profile
-        out = {}
+        out: dict[str, tuple[object, ...]] = {}
         for u, mods in p.by_unit.items():
             lins = tuple((lin.param_bytes, lin.out_features, next(i for i, m in enumerate(mods)
                                                                   if lin.within(m.path)))

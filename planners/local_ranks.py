@@ -39,7 +39,8 @@ def run_ranks(module: str, world: int, args: list[str]) -> dict[str, Any]:
         codes = [p.wait(timeout=TIMEOUT_S) for p in procs]
         if any(codes) or not out.is_file():
             raise RuntimeError(f"measuring on {world} local ranks ({module}) failed (exit codes {codes})")
-        return json.loads(out.read_text())
+        result: dict[str, Any] = json.loads(out.read_text())
+        return result
 
 
 def pin_to_core(index: int, peers: int) -> None:
@@ -86,7 +87,8 @@ def cache_file(kind: str, key: str) -> Path:
 
 def cached(path: Path, measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     if path.is_file():
-        return json.loads(path.read_text())
+        stored: dict[str, Any] = json.loads(path.read_text())
+        return stored
     result = measure()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result))

@@ -78,7 +78,7 @@ class Layout:
     @classmethod
     def of(cls, profile: ModelProfile) -> "Layout":
         mods = profile.modules
-        first = {}
+        first: dict[str, str] = {}
         for m in mods:
             first.setdefault(m.unit, m.key)
         last = {m.unit: m.key for m in mods}

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_array
 
@@ -55,7 +56,9 @@ def build_program(bound: Bound, units: list[str], options: dict[str, list[Option
     ctx = bound.ctx
     layout = ctx.layout
     n_events = len(layout.events)
-    owner, option, cost = [], [], []
+    owner: list[int] = []
+    option: list[int] = []
+    cost: list[float] = []
     cols, events, values = [], [], []
     for j, u in enumerate(units):
         for i, o in enumerate(options[u]):
@@ -98,7 +101,7 @@ def _solve(p: Program, n_units: int, limit: float | None, time_limit: float, sca
     np.minimum.at(fastest, p.owner, p.cost)
     seconds = OBJECTIVE_SCALE / max(float(fastest.sum()), 1e-30)
     levels_upper = (limit - p.run_base) / scale if limit is not None else np.full(k, np.inf)
-    c = [p.cost * seconds, np.zeros(k)]
+    c: list[npt.ArrayLike] = [p.cost * seconds, np.zeros(k)]
     extra = 0
     if limit is None:  # one more variable, the peak: every run's level plus its base is at most it
         extra = 1

@@ -32,7 +32,7 @@ from torch import nn
 from osdp_planners.loss import lm_loss, logits_of
 from osdp_planners.options import SPLITS
 from osdp_planners.recorder import Recorder
-from osdp_planners.split import SplitLinear, split_linear_in
+from osdp_planners.split import SplitLinear, linear_at, split_linear_in
 from osdp_planners.torch_private import FakeTensorMode, checkpoint
 from osdp_planners.trace import ROOT, CallTrace, trace_calls
 from osdp_planners.units import Unit, units_of
@@ -326,7 +326,7 @@ def _apply_variant(model: nn.Module, units: list[Unit], variant: Variant, live: 
         if variant.split > 1:
             for path in u.linears:
                 if path in live:
-                    split_linear_in(model, path, min(variant.split, model.get_submodule(path).out_features))
+                    split_linear_in(model, path, min(variant.split, linear_at(model, path).out_features))
         if variant.checkpoint:
             for path in u.modules:
                 if path in live:
@@ -394,12 +394,15 @@ def _activations(runs: list[_Run]) -> dict[str, Activations]:
         first, second = (r.stretch(r.spans[p][phase]) for r in runs)
         return Peak.of(first, second, _fit([r.levels[p][f"pre_{phase}"] for r in runs]))
 
-    return {p: Activations(
-        keep=fit(lambda _r, k, p=p: k[p]),
-        fw_peak=peak(p, "fw"),
-        bw_peak=peak(p, "bw"),
-        bw_post=fit(lambda r, _k, p=p: r.levels[p]["post_bw"] - r.levels[p]["pre_bw"]),
-    ) for p in runs[0].order}
+    def activations(p: str) -> Activations:
+        return Activations(
+            keep=fit(lambda _r, k: k[p]),
+            fw_peak=peak(p, "fw"),
+            bw_peak=peak(p, "bw"),
+            bw_post=fit(lambda r, _k: r.levels[p]["post_bw"] - r.levels[p]["pre_bw"]),
+        )
+
+    return {p: activations(p) for p in runs[0].order}
 
 
 def _extras(run: _Run) -> tuple[dict[str, float], float, float]:
@@ -436,13 +439,14 @@ def profile_model(build: Callable[[str], nn.Module], seq_len: int, vocab_size: i
         for key, profiled in _full_order(plain[0].order, blocks)
     ]
     prefix = _fit([e[1] for e in extras])
-    loss = Peak.of(*(r.stretch(r.loss) for r in plain), _fit([e[2] for e in extras]))
+    first, second = (r.stretch(r.loss) for r in plain)
+    loss = Peak.of(first, second, _fit([e[2] for e in extras]))
     param_bytes = {u.name: 4 * u.param_count for u in units}
     outside = _fit([r.outside_flops for r in plain])
     return ModelProfile(units, modules, param_bytes, linears, largest, prefix, loss, outside)
 
 
 def _linear_shape(model: nn.Module, path: str) -> LinearShape:
-    linear = model.get_submodule(path)
+    linear = linear_at(model, path)
     params = list(linear.parameters())
     return LinearShape(path, 4 * sum(p.numel() for p in params), linear.out_features, len(params))

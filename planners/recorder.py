@@ -42,7 +42,7 @@ class ModuleReadings:
 
 class _Live(TorchDispatchMode):
     def __init__(self, recorder: "Recorder") -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__ is unannotated
         self.rec = recorder
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

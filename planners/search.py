@@ -106,6 +106,10 @@ def solve(cands: list[list[Candidate]], budget: float, quantum: float | None = N
     return best
 
 
+def _smallest(unit: list[Candidate], idxs: list[int]) -> int:
+    return min(idxs, key=lambda i: (unit[i].resident, unit[i].time_s))
+
+
 def least_bound(cands: list[list[Candidate]]) -> list[int]:
     """The choice with the smallest memory bound, whatever its time: for each cap on the largest
     transient, every unit's smallest resident under the cap."""
@@ -114,8 +118,7 @@ def least_bound(cands: list[list[Candidate]]) -> list[int]:
         allowed = _allowed(cands, cap)
         if not all(allowed):
             continue
-        choice = [min(idxs, key=lambda i, unit=unit: (unit[i].resident, unit[i].time_s))
-                  for unit, idxs in zip(cands, allowed, strict=True)]
+        choice = [_smallest(unit, idxs) for unit, idxs in zip(cands, allowed, strict=True)]
         total = bound(cands, choice, 1.0)
         if best is None or total < best[0]:
             best = (total, choice)

@@ -29,7 +29,7 @@ What works, and the limits:
   join (DCP's key lookup does it once per key while building a model state dict).
 """
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -70,8 +70,9 @@ class SplitLinear(nn.Module):
             nn.Linear(in_features, width, bias=bias, device=device, dtype=dtype)
             for width in slice_sizes(out_features, k)
         )
-        self.register_state_dict_post_hook(_save_unsplit)
-        self.register_load_state_dict_pre_hook(_load_unsplit)
+        # torch leaves these two registrations unannotated
+        self.register_state_dict_post_hook(_save_unsplit)  # type: ignore[no-untyped-call]
+        self.register_load_state_dict_pre_hook(_load_unsplit)  # type: ignore[no-untyped-call]
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, k: int) -> "SplitLinear":
@@ -81,27 +82,32 @@ class SplitLinear(nn.Module):
         if w.device.type != "meta":
             with torch.no_grad():
                 rows = slice_sizes(linear.out_features, k)
-                for piece, ws in zip(split.slices, torch.split(w, rows), strict=True):
+                for piece, ws in zip(split.pieces, torch.split(w, rows), strict=True):
                     piece.weight.copy_(ws)
                 if linear.bias is not None:
-                    for piece, bs in zip(split.slices, torch.split(linear.bias, rows), strict=True):
+                    for piece, bs in zip(split.pieces, torch.split(linear.bias, rows), strict=True):
                         piece.bias.copy_(bs)
         return split
 
     @property
+    def pieces(self) -> list[nn.Linear]:
+        """`slices` typed as what they are: a ModuleList is declared to hold any Module."""
+        return cast(list[nn.Linear], list(self.slices))
+
+    @property
     def rows(self) -> list[int]:
-        return [piece.out_features for piece in self.slices]
+        return [piece.out_features for piece in self.pieces]
 
     @property
     def weight(self) -> torch.Tensor:
         """The unsplit weight, concatenated on each access (a collective on sharded slices)."""
-        return torch.cat([piece.weight for piece in self.slices])
+        return torch.cat([piece.weight for piece in self.pieces])
 
     @property
     def bias(self) -> torch.Tensor | None:
         if self.slices[0].bias is None:
             return None
-        return torch.cat([piece.bias for piece in self.slices])
+        return torch.cat([piece.bias for piece in self.pieces])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([piece(x) for piece in self.slices], dim=-1)
@@ -154,13 +160,17 @@ def to_split_names(model: nn.Module, state_dict: dict[str, Any]) -> dict[str, An
     return out
 
 
+def linear_at(model: nn.Module, path: str) -> nn.Linear:
+    """The nn.Linear at `path` (a TypeError names what is there instead)."""
+    linear = model.get_submodule(path)
+    if not isinstance(linear, nn.Linear):
+        raise TypeError(f"{path} is a {type(linear).__name__}, not nn.Linear")
+    return linear
+
+
 def split_linear_in(model: nn.Module, path: str, k: int) -> SplitLinear:
     """Replace the Linear at `path` inside `model` by its k-way split; returns the new module."""
     parent_path, _, name = path.rpartition(".")
-    parent = model.get_submodule(parent_path)
-    linear = getattr(parent, name)
-    if not isinstance(linear, nn.Linear):
-        raise TypeError(f"{path} is a {type(linear).__name__}, not nn.Linear")
-    split = SplitLinear.from_linear(linear, k)
-    setattr(parent, name, split)
+    split = SplitLinear.from_linear(linear_at(model, path), k)
+    setattr(model.get_submodule(parent_path), name, split)
     return split

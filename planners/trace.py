@@ -52,7 +52,7 @@ class _ParamUses(TorchDispatchMode):
     """Records the modules active whenever an op reads a parameter."""
 
     def __init__(self, names: dict[int, str], stack: list[str], trace: CallTrace) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__ is unannotated
         self.names, self.stack, self.trace = names, stack, trace
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

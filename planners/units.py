@@ -36,7 +36,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from osdp_planners.trace import ROOT, CallTrace, trace_calls
+from osdp_planners.trace import ROOT as ROOT  # the root unit's name, re-exported for the units' users
+from osdp_planners.trace import CallTrace, trace_calls
 
 
 @dataclass(frozen=True)

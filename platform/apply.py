@@ -8,6 +8,7 @@ from forward to backward whatever the strategy, as FSDP2 does by default for the
 """
 
 from dataclasses import dataclass
+from typing import TypedDict
 
 import torch
 from torch import nn
@@ -44,6 +45,14 @@ class Meshes:
         return self._cache[g]
 
 
+class _ShardArgs(TypedDict):
+    """`fully_shard`'s keywords for one unit."""
+
+    mesh: DeviceMesh
+    reshard_after_forward: bool
+    mp_policy: MixedPrecisionPolicy
+
+
 def _reshard(unit: UnitPlan) -> bool:
     return unit.strategy in (Strategy.ZERO3, Strategy.HSDP)
 
@@ -77,8 +86,8 @@ def apply_plan(model: nn.Module, plan: Plan, device_type: str, meshes: Meshes | 
         if unit.modules == [""]:
             root_unit = unit
             continue
-        kwargs = {"mesh": meshes.for_group(unit.shard_group_size), "reshard_after_forward": _reshard(unit),
-                  "mp_policy": mp}
+        kwargs: _ShardArgs = {"mesh": meshes.for_group(unit.shard_group_size),
+                              "reshard_after_forward": _reshard(unit), "mp_policy": mp}
         if unit.split > 1:
             for path in linears[unit.name]:
                 split = split_linear_in(model, path, unit.split)

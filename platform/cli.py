@@ -27,13 +27,16 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--verbose", action="store_true", help="let Ray's logs, the workers' output and "
                                                                "warnings through to the terminal")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, text in (("validate", "check a recipe and print it resolved"),
+    for name, text in (("validate", "check a recipe and print it resolved; --explain: what every key means"),
                        ("plan", "plan a recipe without training (no GPU, no Ray workers needed)"),
                        ("submit", "plan and train a recipe on Ray, tracked in MLflow"),
                        ("sweep", "plan every cell of a grid (key=a,b,...), train those that fit, compare them")):
         cmd = sub.add_parser(name, help=text, parents=[common])
-        cmd.add_argument("recipe", help="recipe YAML file")
+        cmd.add_argument("recipe", nargs="?" if name == "validate" else None, help="recipe YAML file")
         cmd.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=5")
+    sub.choices["validate"].add_argument("--explain", action="store_true",
+                                         help="print every recipe key with its type, default and meaning (and, "
+                                              "given a recipe, its value there)")
     plan = sub.choices["plan"]
     plan.add_argument("--out", help="write the plan JSON here (default: print it)")
     plan.add_argument("--png", help="write the predicted memory timeline here (default: plan.png beside --out, "
@@ -112,6 +115,26 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _validate(args: argparse.Namespace, console: Console) -> int:
+    from rich.markdown import Markdown
+
+    from osdp_platform.recipe_docs import render_markdown
+    from osdp_platform.recipe_loader import recipe_to_yaml
+
+    if args.recipe is None:
+        if not args.explain:
+            raise UserError("recipe", None, "is missing", "pass a recipe YAML file (or --explain for every key)")
+        console.print(Markdown(render_markdown()))
+        return 0
+    recipe = load_recipe(args.recipe, args.overrides)
+    if args.explain:
+        console.print(Markdown(render_markdown(recipe.model_dump(mode="json"))))
+    else:
+        console.print(recipe_to_yaml(recipe), markup=False)
+    console.print(f"[green]ok[/]: {args.recipe} is valid")
+    return 0
+
+
 def _prepare(args: argparse.Namespace, console: Console) -> int:
     from osdp_platform.data import TokenFiles
 
@@ -151,6 +174,8 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         done = RunTracker.sync(Path(args.folder), warn_on(console))
         console.print("uploaded" if done else "the server stopped answering; run sync again", markup=False)
         return 0 if done else 1
+    if args.command == "validate":
+        return _validate(args, console)
     if args.command == "plan":
         return _plan(args, console)
     if args.command in ("submit", "sweep"):
@@ -165,12 +190,6 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         sweep(args.recipe, args.overrides, args.address, console, args.format, args.verbose)
         return 0
     recipe = load_recipe(args.recipe, args.overrides)
-    if args.command == "validate":
-        from osdp_platform.recipe_loader import recipe_to_yaml
-
-        console.print(recipe_to_yaml(recipe), markup=False)
-        console.print(f"[green]ok[/]: {args.recipe} is valid")
-        return 0
     from osdp_platform.submit import ray_logs_hint, submit
 
     if not args.verbose:

@@ -13,6 +13,7 @@ import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -70,7 +71,7 @@ class TokenFiles:
                             "choose a new --out folder, or delete that one first")
         out.mkdir(parents=True, exist_ok=True)
         dtype = token_dtype(tokenizer.vocab_size)
-        entries = []
+        entries: list[dict[str, Any]] = []
         for i, text in enumerate(texts):
             ids = tokenizer.encode(text.read_bytes()).astype(dtype)
             name = f"{i:04d}-{text.stem}.bin"

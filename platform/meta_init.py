@@ -22,6 +22,7 @@ without a protocol is built whole on CPU by every rank from its own constructor 
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -30,6 +31,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from osdp_planners.split import to_split_names
 from osdp_planners.torch_private import FakeTensor
 from osdp_planners.units import ROOT, find_units
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 UNIT_TRACE_SEQ = 8  # units here only bound what is allocated at once: any length the model accepts finds them
 Emit = Callable[[dict[str, torch.Tensor]], None]  # full parameters of one finished unit, by unsplit name
@@ -45,18 +49,18 @@ class InitProtocol:
     children_first: bool  # transformers applies _init_weights children first (nn.Module.apply order)
 
 
-def _hf_pretrained() -> type | None:
+def _hf_pretrained() -> "type[PreTrainedModel] | None":
     import sys
 
     module = sys.modules.get("transformers")
     return getattr(module, "PreTrainedModel", None) if module is not None else None
 
 
-def _hf_initialiser(model: nn.Module, pretrained: type) -> Callable[[nn.Module], None]:
+def _hf_initialiser(model: "PreTrainedModel", pretrained: "type[PreTrainedModel]") -> Callable[[nn.Module], None]:
     """Each module initialised by its nearest enclosing PreTrainedModel (a composite model's parts differ)."""
-    owner: dict[int, nn.Module] = {}
+    owner: dict[int, PreTrainedModel] = {}
 
-    def walk(module: nn.Module, current: nn.Module) -> None:
+    def walk(module: nn.Module, current: "PreTrainedModel") -> None:
         current = module if isinstance(module, pretrained) else current
         owner[id(module)] = current
         for child in module.children():

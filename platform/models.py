@@ -48,10 +48,10 @@ def _parameters_on_meta() -> Iterator[None]:
     """
     register = nn.Module.register_parameter
 
-    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None and not param.is_meta:
             param = type(param)(param.detach().to("meta"), requires_grad=param.requires_grad)
-        register(module, name, param)
+        register(self, name, param)
 
     nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
     try:

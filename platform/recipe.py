@@ -18,14 +18,21 @@ class _Section(BaseModel):
 class ModelSection(_Section):
     """One model source: a zoo entry (family + size), a Hugging Face config, or the user's own factory."""
 
-    family: str | None = None
-    size: str | None = None
+    family: str | None = Field(default=None, description="zoo family, with `size`: llama, gpt2 or opt")
+    size: str | None = Field(
+        default=None, description="zoo preset of the family: llama tiny, 1b, 7b, 13b, 70b; gpt2 tiny, 124m, 355m, "
+                                  "774m, 1.5b, osdp-48l; opt tiny, 125m, 350m, 1.3b, 2.7b, 6.7b, 13b, 30b")
     hf_config: dict[str, Any] | str | None = Field(
-        default=None, description="a transformers config: inline fields with model_type (e.g. llama, gpt2), or "
-                                  "the path of a local config.json; built by AutoModelForCausalLM, never downloaded")
-    target: str | None = Field(default=None, description='"package.module:factory" returning an nn.Module')
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="overrides of the preset or config fields, "
-                                                                     "or the factory's keyword arguments")
+        default=None, description="a `transformers` config: inline (`model_type: llama` plus that model's fields) or "
+                                  "the path of a local config.json or its folder; built by AutoModelForCausalLM "
+                                  "from the config alone (nothing is downloaded)")
+    target: str | None = Field(
+        default=None, description='"pkg.module:factory" returning your own nn.Module, whose forward(tokens) returns '
+                                  "logits, a tuple starting with them, or an object with .logits (a Hugging Face "
+                                  "ModelOutput); see Your own model")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="overrides of the zoo preset's fields (e.g. n_layers, vocab_size) or of "
+                                          "the hf_config's, or the factory's keyword arguments")
 
     @field_validator("hf_config")
     @classmethod
@@ -67,12 +74,17 @@ class DataSection(_Section):
     """Token source and tokenizer: synthetic tokens, the bundled corpus, a text file, or prepared token files."""
 
     source: Literal["synthetic", "corpus", "text_file", "token_files"] = Field(
-        default="corpus", description="token_files: a folder written by `osdp-platform prepare`")
+        default="corpus", description="synthetic (generated, learnable byte ids), corpus (bundled public-domain "
+                                      "text, platform/data/), text_file (`path`), or token_files (`path`: a folder "
+                                      "written by `osdp-platform prepare`, uint16/uint32 files read through "
+                                      "np.memmap, several files as one data set)")
     path: str | None = Field(default=None, description="the text file (text_file) or the folder (token_files)")
     tokenizer: str | None = Field(
-        default=None, description="bytes (the default, vocab 256), bpe (shipped, trained on the corpus, vocab "
-                                  "1024) or a tokenizers JSON file; token files carry their own")
-    seq_len: int = Field(default=64, ge=2)
+        default=None, description="bytes (the default, vocab 256), bpe (shipped byte-level BPE trained on the "
+                                  "corpus, vocab 1024) or the path of a `tokenizers` JSON file; token files carry "
+                                  "their own. A zoo or hf_config model whose vocab_size is below the tokenizer's is "
+                                  "refused when the recipe loads")
+    seq_len: int = Field(default=64, ge=2, description="tokens per sample: the context length trained on")
 
     @field_validator("path", "tokenizer")
     @classmethod
@@ -113,12 +125,16 @@ _RESOURCE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*")
 class HardwareSection(_Section):
     """The device pool: nodes x workers per node, each one device of the named preset."""
 
-    accelerator: Literal["cpu", "gpu"] = "cpu"
-    nodes: PositiveInt = 1
-    workers_per_node: PositiveInt = 2
-    preset: str = "cpu"
-    memory_per_device_gb: float | None = Field(default=None, gt=0)
-    autoscaling: bool = Field(default=False, description="the cluster adds nodes on demand: wait for them")
+    accelerator: Literal["cpu", "gpu"] = Field(default="cpu", description="the workers' device type; the "
+                                                                         "preset must be of the same type")
+    nodes: PositiveInt = Field(default=1, description="nodes in the pool")
+    workers_per_node: PositiveInt = Field(default=2, description="Ray Train workers per node, one device each")
+    preset: str = Field(default="cpu", description="what the planner assumes of a device where it cannot measure "
+                                                   f"(memory, speed, links): {', '.join(PRESETS)}")
+    memory_per_device_gb: float | None = Field(default=None, gt=0, description="device memory in GiB, instead of "
+                                                                               "the preset's")
+    autoscaling: bool = Field(default=False, description="the cluster's autoscaler adds nodes on demand: wait for "
+                                                         "them instead of stopping when the pool is short")
     pool: str = Field(
         default="auto",
         description="Ray custom resource of which every worker and the planner take one unit, so the plan runs on "
@@ -126,7 +142,7 @@ class HardwareSection(_Section):
                     "on CPU; `any` = no pool resource; or the name your nodes advertise",
     )
     wait_for_nodes_s: float = Field(
-        default=600.0, gt=0, description="how long the planner actor waits to be placed (for an autoscaler to "
+        default=600.0, gt=0, description="seconds the planner actor waits to be placed (for an autoscaler to "
                                          "start a node of the pool) before the run stops with an error",
     )
 
@@ -178,18 +194,24 @@ class HardwareSection(_Section):
 
 
 class PlannerSection(_Section):
-    name: Literal["ddp", "zero2", "zero3", "hsdp", "osdp", "manual"] = "osdp"
-    memory_limit_gb: float | None = Field(default=None, gt=0, description="defaults to the device memory")
+    name: Literal["ddp", "zero2", "zero3", "hsdp", "osdp", "manual"] = Field(default="osdp", description=(
+        "osdp (per unit: strategy, split factor and recomputation, plus the batch size), one strategy for every "
+        "unit (ddp, zero2, zero3, hsdp), or manual (evaluate plan_file)"))
+    memory_limit_gb: float | None = Field(default=None, gt=0, description=(
+        "per-device memory budget the plan must fit, in GiB; default: the device memory"))
     memory_margin: float | None = Field(default=None, ge=0, lt=0.5, description=(
         "share of the budget kept unplanned (allocator fragmentation, model error); default 0.02 on CPU, "
         "0.05 on GPU"))
     memory_reserve_gb: float | None = Field(default=None, ge=0, description=(
-        "fixed memory kept unplanned (CUDA context, NCCL buffers); default 0 on CPU, 1 on GPU"))
-    hsdp_group_size: PositiveInt | None = None
-    plan_file: str | None = None
+        "fixed memory kept unplanned (CUDA context, NCCL buffers), in GiB; default 0 on CPU, 1 on GPU"))
+    hsdp_group_size: PositiveInt | None = Field(default=None, description=(
+        "ranks in each HSDP shard group, a divisor of the world size; default: a node's workers on several "
+        "nodes, half a node on one"))
+    plan_file: str | None = Field(default=None, description=(
+        "the plan JSON the manual planner evaluates (e.g. from `osdp-platform plan --out`)"))
     search: Literal["auto", "dp", "milp"] = Field(default="auto", description=(
         "how osdp searches: dp (knapsack over a memory bound, any size), milp (exact over the simulated "
-        "peak), auto (dp, then milp where it can gain and the program is small)"))
+        "peak), auto (dp, then milp where it can gain and the program is small); see The planner"))
 
     @model_validator(mode="after")
     def _manual_needs_file(self) -> "PlannerSection":
@@ -202,14 +224,18 @@ class PlannerSection(_Section):
 
 
 class TrainSection(_Section):
-    steps: PositiveInt = 20
-    micro_batch_size: PositiveInt | Literal["auto"] = 4
-    global_batch_size: PositiveInt | None = None
-    optimizer: Literal["adamw", "sgd"] = "adamw"
-    lr: float = Field(default=1e-3, gt=0)
-    weight_decay: float = Field(default=0.0, ge=0)
-    seed: int = 0
-    precision: Literal["fp32", "bf16-mixed"] = "fp32"
+    steps: PositiveInt = Field(default=20, description="optimizer steps")
+    micro_batch_size: PositiveInt | Literal["auto"] = Field(default=4, description=(
+        "samples per worker in one forward and backward; auto: the planner chooses"))
+    global_batch_size: PositiveInt | None = Field(default=None, description=(
+        "samples per optimizer step over all workers, a multiple of micro_batch_size x world size (the ratio is "
+        "the gradient accumulation); default: micro_batch_size x world size"))
+    optimizer: Literal["adamw", "sgd"] = Field(default="adamw", description="torch.optim.AdamW or SGD")
+    lr: float = Field(default=1e-3, gt=0, description="learning rate")
+    weight_decay: float = Field(default=0.0, ge=0, description="the optimizer's weight_decay")
+    seed: int = Field(default=0, description="seeds the initial weights and the data order")
+    precision: Literal["fp32", "bf16-mixed"] = Field(default="fp32", description=(
+        "bf16-mixed: bf16 compute and gathers, fp32 sharded weights and gradient reduction"))
     checkpoint_every: int = Field(default=0, ge=0, description="steps between checkpoints; 0 = never")
     checkpoint_dir: str | None = Field(
         default=None, description="where checkpoints are stored, reachable from every worker: a path (shared "
@@ -222,10 +248,13 @@ class TrainSection(_Section):
 
 
 class TrackingSection(_Section):
-    uri: str | None = Field(default=None, description="defaults to $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db")
-    experiment: str = "osdp-platform"
-    wait_for_server_s: float = Field(default=300.0, ge=0, description="how long the end of a run waits for a "
-                                     "tracking server that went away before leaving its writes on disk")
+    uri: str | None = Field(default=None, description=(
+        "MLflow tracking store: a server (http://...) or a local store; default $MLFLOW_TRACKING_URI, else "
+        "sqlite:///mlflow.db"))
+    experiment: str = Field(default="osdp-platform", description="MLflow experiment the runs are recorded in")
+    wait_for_server_s: float = Field(default=300.0, ge=0, description=(
+        "seconds the end of a run waits for a tracking server that went away before leaving its writes on disk "
+        "(`osdp-platform sync` uploads them later)"))
 
     @property
     def resolved_uri(self) -> str:
@@ -233,13 +262,19 @@ class TrackingSection(_Section):
 
 
 class Recipe(_Section):
-    name: str = "run"
-    model: ModelSection
-    data: DataSection = Field(default_factory=DataSection)
-    hardware: HardwareSection = Field(default_factory=HardwareSection)
-    planner: PlannerSection = Field(default_factory=PlannerSection)
-    train: TrainSection = Field(default_factory=TrainSection)
-    tracking: TrackingSection = Field(default_factory=TrackingSection)
+    name: str = Field(default="run", description=(
+        "the MLflow run's name; Ray Train's run folder (holding the checkpoints) is `<name>-<run id>`"))
+    model: ModelSection = Field(description=(
+        "what to train, from one source: a zoo preset (family + size), a Hugging Face config (hf_config) or your "
+        "own factory (target)"))
+    data: DataSection = Field(default_factory=DataSection, description="the tokens trained on and their tokenizer")
+    hardware: HardwareSection = Field(default_factory=HardwareSection, description=(
+        "the device pool: nodes x workers_per_node workers, one device each"))
+    planner: PlannerSection = Field(default_factory=PlannerSection, description=(
+        "how the model is sharded: the planner, its search and the memory budget the plan must fit"))
+    train: TrainSection = Field(default_factory=TrainSection, description=(
+        "the training loop: steps, batch, optimizer, precision, checkpoints and restarts"))
+    tracking: TrackingSection = Field(default_factory=TrackingSection, description="where MLflow records runs")
 
     @model_validator(mode="after")
     def _batch_consistent(self) -> "Recipe":

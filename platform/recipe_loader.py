@@ -6,6 +6,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 from osdp_planners.errors import UserError, UserErrors
 from osdp_platform.recipe import Recipe
@@ -55,7 +56,7 @@ def _fields_at(loc: tuple[Any, ...]) -> list[str]:
     return list(model.model_fields)
 
 
-def _fix_for(err: dict[str, Any]) -> str:
+def _fix_for(err: ErrorDetails) -> str:
     kind = err["type"]
     loc = tuple(err["loc"])
     if kind == "extra_forbidden":

@@ -43,7 +43,7 @@ class RunSummary:
         """Aggregates: timing from steps without a memory probe (the probe slows CPU steps)."""
         timed = [s for s in self.steps[1:] if "peak_memory_bytes" not in s] or self.steps
         peaks = [s["peak_memory_bytes"] for s in self.steps if "peak_memory_bytes" in s]
-        out = {
+        out: dict[str, float] = {
             Metric.FIRST_LOSS: self.steps[0]["loss"],
             Metric.FINAL_LOSS: self.steps[-1]["loss"],
             Metric.MEASURED_STEP_TIME: statistics.median(s["step_time_s"] for s in timed),

@@ -77,7 +77,7 @@ def sweep(recipe_path: str | Path, overrides: list[str], address: str | None = N
         ray_logs_hint(console)
     for cell in cells:
         check_cluster(cell.recipe)
-    tags = {Tag.SWEEP: uuid.uuid4().hex[:12]}
+    tags: dict[str, str] = {Tag.SWEEP: uuid.uuid4().hex[:12]}
     console.print(f"sweep {tags[Tag.SWEEP]}: {len(cells)} cell(s) of {recipe_path}", markup=False)
     for i, cell in enumerate(cells, 1):
         console.print(f"planning {i}/{len(cells)}: {cell.label}", markup=False)

@@ -25,8 +25,11 @@ SHIPPED_BPE_VOCAB = 1024
 
 
 class Tokenizer(Protocol):
-    name: str
-    vocab_size: int
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def vocab_size(self) -> int: ...
 
     def encode(self, text: bytes) -> np.ndarray: ...
 

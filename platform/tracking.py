@@ -418,8 +418,8 @@ def _record(run: Run) -> RunRecord:
     tags = data.tags
     kind = tags.get(Tag.KIND, RunKind.TRAIN)
     status = tags.get(Tag.PLAN_STATUS, PLANNED) if kind == RunKind.PLAN else info.status.lower()
-    found = [data.params.get(f"plan.{k}") for k in ("micro_batch_size", "grad_accum_steps", "world_size")]
-    batch = (int(found[0]), int(found[1]), int(found[2])) if all(found) else None
+    micro, accum, world = (data.params.get(f"plan.{k}") for k in ("micro_batch_size", "grad_accum_steps", "world_size"))
+    batch = (int(micro), int(accum), int(world)) if micro and accum and world else None
     return RunRecord(info.run_id, info.run_name or "", info.experiment_id, kind, status, tags.get(Tag.PLANNER, ""),
                      tags.get(Tag.MODEL, ""), tags.get(MLFLOW_RUN_NOTE, ""), batch, dict(data.metrics))
 

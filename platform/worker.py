@@ -93,7 +93,7 @@ def timed_step(model: nn.Module, optimizer: torch.optim.Optimizer, one_step: Cal
     return times, peaks, peak
 
 
-def _reduce(value: float, op: dist.ReduceOp, device: torch.device) -> float:
+def _reduce(value: float, op: dist.ReduceOp.RedOpType, device: torch.device) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=op)
     return float(t.item())
@@ -108,6 +108,7 @@ def train_loop(config: dict[str, Any], before_step: Callable[[int], None] | None
     """
     import ray
     import ray.train
+    import ray.train.torch
 
     cfg = WorkerConfig.model_validate(config)
     recipe, plan = cfg.recipe, cfg.plan

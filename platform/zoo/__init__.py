@@ -7,6 +7,8 @@ the same way. The caller chooses the device, e.g. ``with torch.device("meta"):``
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -21,7 +23,7 @@ FAMILIES: dict[str, dict[str, ZooConfig]] = {
     "opt": opt.PRESETS,
 }
 
-_MODELS: dict[str, type[ZooModel]] = {"llama": llama.Llama, "gpt2": gpt2.GPT2, "opt": opt.OPT}
+_MODELS: dict[str, Callable[[ZooConfig], ZooModel]] = {"llama": llama.Llama, "gpt2": gpt2.GPT2, "opt": opt.OPT}
 
 
 def zoo_sizes() -> dict[str, list[str]]:
@@ -40,7 +42,8 @@ def zoo_config(family: str, size: str, **overrides: int | float | None) -> ZooCo
     unknown = sorted(set(overrides) - fields)
     if unknown:
         raise ValueError(f"unknown zoo model option(s) {unknown}; choose from {sorted(fields)}")
-    return dataclasses.replace(sizes[size], **{k: v for k, v in overrides.items() if v is not None})
+    given: dict[str, Any] = {k: v for k, v in overrides.items() if v is not None}  # fields of several types
+    return dataclasses.replace(sizes[size], **given)
 
 
 def zoo_module(family: str, size: str, **overrides: int | float | None) -> ZooModel:
