@@ -129,10 +129,11 @@ def test_submit_over_http_outlives_the_server_going_away(ray_cluster: None, mlfl
 
 def test_writes_wait_on_disk_while_the_server_is_away_and_sync_uploads_them(
         mlflow_server: MlflowServer, tmp_path: Path) -> None:
-    recipe = load_recipe(RECIPES / "tiny.yaml", [f"tracking.uri={mlflow_server.uri}", "tracking.experiment=offline"])
+    recipe = load_recipe(RECIPES / "tiny.yaml", [f"tracking.uri={mlflow_server.uri}", "tracking.experiment=offline",
+                                                 "tracking.wait_for_server_s=0"])  # the server is back only later
     warnings: list[str] = []
     tracker = RunTracker.start(recipe, RunKind.TRAIN, warn=warnings.append)
-    tracker.pending_root, tracker.patience_s = tmp_path / "pending", 0.0
+    tracker.pending_root = tmp_path / "pending"
     folder = tracker.pending_root / tracker.run_id
     t0 = 1_700_000_000_000
     tracker.log_samples([(0, t0, {"loss": 3.0}), (1, t0 + 1000, {"loss": 2.5})])
