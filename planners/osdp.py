@@ -27,10 +27,11 @@ AUTO_MILP_BINARIES = 1100
 AUTO_TIME_LIMIT_S = 5.0
 GIB = 1024**3
 # a plan the runtime works harder for (more sharding, more FSDP2 units, recomputation) is chosen over a
-# simpler one only if predicted at least this much faster: below it, measured rankings did not follow
-# predicted ones (benchmarks/RESULTS.md, CPU gloo pools), and it bounds what trusting the simpler plan
-# can lose, were the model right, to 3%
-NEAR_TIE = 0.03
+# simpler one only if predicted at least this much faster. On CPU gloo pools, predicted gaps of 3%
+# (llama-tiny: DDP + ZeRO-2 over DDP) and 11% (a wide model: ZeRO-2 over DDP) measured the other way
+# round (benchmarks/RESULTS.md, two runs); the step-time model errs by ~20% there, and a user who
+# measures a harder plan losing to DDP trusts none of them
+NEAR_TIE = 0.10
 
 
 @dataclass(frozen=True)

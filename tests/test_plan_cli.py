@@ -42,8 +42,8 @@ def test_llama_70b_osdp_on_64_gpus(tmp_path: Path) -> None:
     assert all(64 % u.shard_group_size == 0 for u in plan.units)
     assert plan.predicted.peak_memory_bytes <= plan.memory_limit_bytes
     fitting = [b.throughput_samples_per_s for b in plan.baselines.values() if b.fits]
-    # OSDP picks a simpler plan over one predicted less than 3% faster (osdp.NEAR_TIE)
-    assert all(plan.predicted.throughput_samples_per_s * 1.03 >= t for t in fitting)
+    # OSDP picks a simpler plan over one predicted less than 10% faster (osdp.NEAR_TIE)
+    assert all(plan.predicted.throughput_samples_per_s * 1.10 >= t for t in fitting)
 
 
 def test_manual_plan_is_evaluated_and_edits_change_predictions(tmp_path: Path) -> None:

@@ -373,8 +373,8 @@ def choice(throughput: float, *kinds: Option) -> osdp.Choice:
 def test_a_harder_plan_must_be_predicted_clearly_faster() -> None:
     dp, zero2, zero3 = Option(Strategy.DDP, 1), Option(Strategy.ZERO2, 4), Option(Strategy.ZERO3, 4)
     uniform_dp, mixed = choice(100.0, dp, dp), choice(102.0, dp, zero2)
-    assert osdp.prefer_simpler([mixed, uniform_dp]) is uniform_dp  # 2% is inside the model's resolution
-    clearly = choice(104.0, dp, zero2)
+    assert osdp.prefer_simpler([mixed, uniform_dp]) is uniform_dp  # 2% is well inside the model's error
+    clearly = choice(112.0, dp, zero2)
     assert osdp.prefer_simpler([uniform_dp, clearly]) is clearly
     uniform_zero3 = choice(101.0, zero3, zero3)
     assert osdp.prefer_simpler([uniform_zero3, mixed]) is mixed  # ZeRO-3 everywhere runs harder than ZeRO-2
@@ -392,4 +392,4 @@ def test_osdp_never_trails_a_fitting_uniform_plan_by_more_than_the_resolution(fa
     for name, b in plan.baselines.items():
         if b.fits:
             assert b.throughput_samples_per_s is not None
-            assert got * 1.03 >= b.throughput_samples_per_s, (name, got, b.throughput_samples_per_s)
+            assert got * (1 + osdp.NEAR_TIE) >= b.throughput_samples_per_s, (name, got, b.throughput_samples_per_s)
