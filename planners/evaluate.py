@@ -14,6 +14,7 @@ from functools import cached_property
 
 import numpy as np
 
+from osdp_planners.compute_probe import MeasuredTimes
 from osdp_planners.memory_model import (
     ADAM_STATES,
     Footprint,
@@ -31,7 +32,6 @@ from osdp_planners.options import Option
 from osdp_planners.profile import ModelProfile
 from osdp_planners.search import Candidate
 from osdp_planners.time_model import Topology, optimizer_seconds, unit_time
-from osdp_planners.timing import MeasuredTimes
 
 
 @dataclass(frozen=True)

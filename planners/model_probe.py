@@ -1,7 +1,7 @@
 """The model timed as a CPU pool's workers run it: its compute, and what FSDP2 adds to it per strategy.
 
 Workers sharing a host's cores are slower than one process alone, so the model is timed on as many
-concurrent single-threaded ranks as one node runs workers. The probe stacks of comm_profile give
+concurrent single-threaded ranks as one node runs workers. The probe stacks of comm_probe give
 the shape of FSDP2's costs (per unit, per tensor, per byte), but a real model's units cost more
 than tiny ones: at every collective a rank waits for the others' compute, and copies grow with the
 tensors. A CPU pool's model always fits the host, so the ranks also run it plain and under uniform
@@ -21,13 +21,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from osdp_planners.comm_profile import STRATEGIES, CommProfile, added_seconds, probe_meshes, shard_uniform
+from osdp_planners.comm_probe import STRATEGIES, CommProfile, added_seconds, probe_meshes, shard_uniform
+from osdp_planners.compute_probe import TIMING_BATCHES, MeasuredTimes, forward_loss, measure_totals, share_by_flops
 from osdp_planners.local_ranks import cache_file, cached, rank_main, run_ranks, slowest
 from osdp_planners.options import Option
 from osdp_planners.plan import Strategy
 from osdp_planners.profile import ModelProfile
 from osdp_planners.time_model import Topology, comm_seconds
-from osdp_planners.timing import TIMING_BATCHES, MeasuredTimes, forward_loss, measure_totals, share_by_flops
 from osdp_planners.units import ROOT, find_units
 
 VERSION = 1  # of the cached measurement's format

@@ -7,17 +7,17 @@ On GPUs FSDP2 runs collectives on their own streams, so a unit costs max(compute
 gloo on CPU blocks, so there they add. Each slice of a split operator is an FSDP2 unit of its own:
 one more collective latency per gather and per reduction. The optimizer step scales with the
 parameters a rank owns. On CPU pools FSDP2's fixed costs (hooks, per-tensor copies, DTensor dispatch
-in the optimizer) are measured (see comm_profile) and charged per FSDP2 unit and per tensor.
+in the optimizer) are measured (see comm_probe) and charged per FSDP2 unit and per tensor.
 """
 
 from dataclasses import dataclass
 
-from osdp_planners.comm_profile import CommProfile
+from osdp_planners.comm_probe import CommProfile
+from osdp_planners.compute_probe import MeasuredTimes
 from osdp_planners.hardware import DevicePreset, LinkSpec
 from osdp_planners.options import Option
 from osdp_planners.plan import Strategy
 from osdp_planners.profile import ModelProfile
-from osdp_planners.timing import MeasuredTimes
 
 BACKWARD_FLOPS_RATIO = 2.0
 ADAMW_BYTES_PER_PARAM = 40  # reads and writes of param, grad, two moments, and temporaries (fp32)

@@ -6,12 +6,12 @@ from pathlib import Path
 import pytest
 from test_search import builder, context
 
-from osdp_planners.comm_profile import STRATEGIES, CommProfile
+from osdp_planners.comm_probe import STRATEGIES, CommProfile
+from osdp_planners.compute_probe import MeasuredTimes
 from osdp_planners.model_probe import ModelOverheads, calibrate, measure_on_ranks
 from osdp_planners.options import Option
 from osdp_planners.plan import Strategy
 from osdp_planners.time_model import Topology, comm_seconds, fsdp_units, optimizer_seconds
-from osdp_planners.timing import MeasuredTimes
 
 COMM = CommProfile(
     world_size=4,

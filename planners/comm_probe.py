@@ -144,7 +144,7 @@ def _measure(_rank: int, world: int, _args: list[str]) -> dict[str, Any]:
 def cached_comm(world_size: int) -> CommProfile:
     """Measured once per host, torch version and world size (what it depends on), then read from disk."""
     path = cache_file(f"comm-v{VERSION}", f"w{world_size}")
-    return CommProfile(**cached(path, lambda: run_ranks("osdp_planners.comm_profile", world_size, [])))
+    return CommProfile(**cached(path, lambda: run_ranks("osdp_planners.comm_probe", world_size, [])))
 
 
 if __name__ == "__main__":

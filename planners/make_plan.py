@@ -1,0 +1,127 @@
+"""Planning end to end: profile and time the model, run the chosen planner, assemble the plan.
+
+Every planner (osdp, the uniform baselines, a manual plan file) runs on the same context, so their
+predictions are comparable; whatever fails inside reaches the caller as one UserError.
+"""
+
+import os
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from osdp_planners.comm_probe import CommProfile, cached_comm
+from osdp_planners.compute_probe import MeasuredTimes, measure_times
+from osdp_planners.errors import UserError, UserErrors
+from osdp_planners.evaluate import Context, evaluate
+from osdp_planners.model_probe import calibrate, measure_on_ranks
+from osdp_planners.options import Option
+from osdp_planners.osdp import Choice, best_uniform, infeasible, search_osdp, to_plan
+from osdp_planners.plan import Plan, Strategy
+from osdp_planners.profile import ModelProfile, profile_model
+from osdp_planners.request import PlanRequest
+from osdp_planners.time_model import Topology
+from osdp_planners.trace import MODEL_CONTRACT
+from osdp_planners.units import structure_hash
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    plan: Plan
+    context: Context
+
+
+Builder = Callable[[str], nn.Module]  # device name -> model constructed there
+
+
+def build_context(build: Builder, req: PlanRequest, measure_on: str | None) -> Context:
+    """Profile the model (fake tensors) and, where it runs here, time it for real.
+
+    On a CPU pool the model is timed as the workers of one node run it, concurrently; the
+    measurements are cached on disk per model and world size, and the context carries them into
+    the run's profile.json artifact.
+    """
+    dtype = torch.bfloat16 if req.precision == "bf16-mixed" else torch.float32
+    compute_bytes = 2 if req.precision == "bf16-mixed" else 4
+    profile: ModelProfile = profile_model(build, req.seq_len, req.token_range, dtype)
+    measured: MeasuredTimes | None = None
+    comm: CommProfile | None = None
+    if measure_on is not None:
+        flops = {u.name: profile.forward_flops(u.name, 1) for u in profile.units}
+        if measure_on == "cpu":
+            ranks = min(req.world_size, req.workers_per_node)
+            key = f"{req.model_label}|{structure_hash(build('meta'))}|{dtype}"
+            measured, overheads = measure_on_ranks(build, req.seq_len, req.token_range, flops, ranks, key)
+            if req.world_size > 1:
+                comm = cached_comm(req.world_size)
+                if overheads is not None:
+                    probes = Topology(req.world_size, req.workers_per_node, req.device, comm)
+                    comm = calibrate(comm, overheads, profile, probes, compute_bytes, measured.optimizer_s_per_param)
+        else:
+            measured = measure_times(build, req.seq_len, req.token_range, torch.device(measure_on), flops)
+    return Context(profile, Topology(req.world_size, req.workers_per_node, req.device, comm), measured,
+                   compute_bytes, req.optimizer, req.usable_memory_bytes)
+
+
+def _manual(model: nn.Module, req: PlanRequest, ctx: Context) -> Choice:
+    if req.plan_file is None:
+        raise UserError("planner.plan_file", None, "the manual planner needs a plan file", "set planner.plan_file")
+    plan = Plan.from_file(req.plan_file)
+    if plan.structure_hash != structure_hash(model):
+        raise UserError("planner.plan_file", req.plan_file, "was made for another model (structure hash "
+                            f"{plan.structure_hash}, this model {structure_hash(model)})", "re-plan for this model")
+    if plan.world_size != req.world_size:
+        raise UserError("planner.plan_file", req.plan_file, f"is for {plan.world_size} workers, the pool has "
+                            f"{req.world_size}", "match hardware.nodes x workers_per_node to the plan")
+    units = [u.name for u in ctx.profile.units]
+    if sorted(u.name for u in plan.units) != sorted(units):
+        raise UserError("planner.plan_file", req.plan_file, f"names units {[u.name for u in plan.units]}, this "
+                        f"model's units are {units}", "start the file from a plan made for this model")
+    options = {u.name: Option.of(u) for u in plan.units}
+    return Choice(options, plan.micro_batch_size, plan.grad_accum_steps,
+                  evaluate(ctx, options, plan.micro_batch_size, plan.grad_accum_steps))
+
+
+def make_plan_for(build: Builder, req: PlanRequest, measure_on: str | None = None) -> PlanResult:
+    """The plan `req.planner` makes for the model `build(device)` returns (here on meta and fake tensors).
+
+    Whatever fails while planning a model reaches the caller as one UserError (the module, what
+    failed, the fix): a user's model is no reason for a traceback.
+    """
+    try:
+        return _make_plan(build, req, measure_on)
+    except (UserError, UserErrors):
+        raise
+    except Exception as exc:
+        raise _planning_failed(req, exc) from exc
+
+
+def _planning_failed(req: PlanRequest, exc: Exception) -> UserError:
+    """The innermost frame outside torch says where: the model's code, or the planner's."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    frame = next((f for f in reversed(frames) if f"{os.sep}torch{os.sep}" not in f.filename), None)
+    where = f" at {Path(frame.filename).name}:{frame.lineno} ({frame.name})" if frame else ""
+    text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+    return UserError("model", req.model_label, f"the planner could not plan this model: {type(exc).__name__}: "
+                     f"{text}{where}", f"{MODEL_CONTRACT}. If the model satisfies that, report this with the "
+                     "model to the platform's maintainers")
+
+
+def _make_plan(build: Builder, req: PlanRequest, measure_on: str | None) -> PlanResult:
+    model = build("meta")
+    ctx = build_context(build, req, measure_on)
+    if req.planner == "osdp":
+        choice = search_osdp(ctx, req)
+    elif req.planner == "manual":
+        choice = _manual(model, req, ctx)
+    elif req.planner in {s.value for s in Strategy}:
+        choice = best_uniform(ctx, req, Strategy(req.planner))
+    else:
+        raise UserError("planner.name", req.planner, "is not a known planner",
+                            "use osdp, manual, ddp, zero2, zero3 or hsdp")
+    if choice is None:
+        raise infeasible(ctx, req)
+    return PlanResult(to_plan(model, req, ctx, choice), ctx)
