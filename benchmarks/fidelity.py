@@ -12,7 +12,6 @@ import argparse
 import json
 import platform as stdlib_platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-from osdp_planners.local_ranks import rank_main, run_ranks, slowest
+from osdp_planners.local_ranks import run_ranks, slowest
 from osdp_planners.plan import Plan
 from osdp_platform.apply import apply_plan
 from osdp_platform.models import build_model
@@ -37,7 +36,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "fidelity.json"
 BARE_STEPS, BARE_WARMUP = 30, 5
 
 
-def _bare_rank(_rank: int, _world: int, args: list[str]) -> dict[str, float]:
+def bare_rank(_rank: int, _world: int, args: list[str]) -> dict[str, float]:
     """Each plan's median step (slowest rank), as the worker loop times it, on plain gloo processes."""
     recipe = load_recipe(RECIPE, [])
     out = {}
@@ -82,7 +81,7 @@ def main() -> None:
         ray.shutdown()
         plan_file = Path(tmp) / "plans.json"
         plan_file.write_text(json.dumps({n: p.to_json() for n, p in plans.items()}))
-        bare = run_ranks("fidelity", plans[names[0]].world_size, [str(plan_file)])
+        bare = run_ranks("fidelity:bare_rank", plans[names[0]].world_size, [str(plan_file)])
     rows = [_row(name, plans[name], runs[name], bare[name]) for name in names]
     _print(console, rows, args)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
@@ -125,7 +124,4 @@ def _print(console: Console, rows: list[dict[str, Any]], args: argparse.Namespac
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1].isdigit():  # started by run_ranks as one rank
-        rank_main(_bare_rank)
-    else:
-        main()
+    main()

@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from osdp_planners.local_ranks import cache_file, cached, rank_main, run_ranks, slowest
+from osdp_planners.local_ranks import cache_file, cached, run_ranks, slowest
 
 LARGE = 4 << 20  # bytes of the bandwidth probes
 WIDTH, REPEATS = 16, 15
@@ -129,7 +129,7 @@ def _fsdp_costs(world: int) -> dict[str, object]:
             "step_fixed_s": statistics.median(fixed)}
 
 
-def _measure(_rank: int, world: int, _args: list[str]) -> dict[str, Any]:
+def measure_rank(_rank: int, world: int, _args: list[str]) -> dict[str, Any]:
     n = LARGE // 4
     full, part = torch.zeros(n), torch.zeros(n // world)
     bus = (world - 1) / world * LARGE
@@ -144,8 +144,5 @@ def _measure(_rank: int, world: int, _args: list[str]) -> dict[str, Any]:
 def cached_comm(world_size: int) -> CommProfile:
     """Measured once per host, torch version and world size (what it depends on), then read from disk."""
     path = cache_file(f"comm-v{VERSION}", f"w{world_size}")
-    return CommProfile(**cached(path, lambda: run_ranks("osdp_planners.comm_probe", world_size, [])))
+    return CommProfile(**cached(path, lambda: run_ranks("osdp_planners.comm_probe:measure_rank", world_size, [])))
 
-
-if __name__ == "__main__":
-    rank_main(_measure)

@@ -5,6 +5,7 @@ faster than each of them will. Probes therefore run as `world` concurrent single
 started as plain subprocesses (multiprocessing's spawn would re-import the caller's __main__).
 """
 
+import importlib
 import json
 import os
 import socket
@@ -27,18 +28,22 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_ranks(module: str, world: int, args: list[str]) -> dict[str, Any]:
-    """Run `python -m module RANK WORLD PORT OUT *args` as `world` ranks; returns what rank 0 wrote to OUT."""
+def run_ranks(target: str, world: int, args: list[str]) -> dict[str, Any]:
+    """Run `target` ("module:function", see rank_main) as `world` ranks; returns what rank 0 wrote.
+
+    Started with `python -c`, not `-m module`: runpy warns when the package has already imported the
+    module it is asked to run."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out.json"
         port = str(_free_port())
         # the caller's import path, so a model defined in the caller's modules unpickles there too
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        procs = [subprocess.Popen([sys.executable, "-m", module, str(rank), str(world), port, str(out), *args],
+        entry = "from osdp_planners.local_ranks import rank_main; rank_main()"
+        procs = [subprocess.Popen([sys.executable, "-c", entry, target, str(rank), str(world), port, str(out), *args],
                                   cwd=tmp, env=env) for rank in range(world)]
         codes = [p.wait(timeout=TIMEOUT_S) for p in procs]
         if any(codes) or not out.is_file():
-            raise RuntimeError(f"measuring on {world} local ranks ({module}) failed (exit codes {codes})")
+            raise RuntimeError(f"measuring on {world} local ranks ({target}) failed (exit codes {codes})")
         result: dict[str, Any] = json.loads(out.read_text())
         return result
 
@@ -58,9 +63,12 @@ def pin_to_core(index: int, peers: int) -> None:
         os.sched_setaffinity(0, {cores[index]})
 
 
-def rank_main(body: Callable[[int, int, list[str]], dict[str, Any] | None]) -> None:
-    """Entry point of one rank: join the gloo group, run `body(rank, world, args)`, rank 0 writes its result."""
-    rank, world, port, out, *args = sys.argv[1:]
+def rank_main() -> None:
+    """Entry point of one rank (argv: target rank world port out *args): join the gloo group, run the
+    target `function(rank, world, args)`, rank 0 writes its result to `out`."""
+    target, rank, world, port, out, *args = sys.argv[1:]
+    module, name = target.split(":")
+    body: Callable[[int, int, list[str]], dict[str, Any] | None] = getattr(importlib.import_module(module), name)
     torch.set_num_threads(1)  # as a worker holding one CPU of the pool
     pin_to_core(int(rank), int(world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=int(rank), world_size=int(world))

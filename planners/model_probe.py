@@ -23,7 +23,7 @@ from torch import nn
 
 from osdp_planners.comm_probe import STRATEGIES, CommProfile, added_seconds, probe_meshes, shard_uniform
 from osdp_planners.compute_probe import TIMING_BATCHES, MeasuredTimes, forward_loss, measure_totals, share_by_flops
-from osdp_planners.local_ranks import cache_file, cached, rank_main, run_ranks, slowest
+from osdp_planners.local_ranks import cache_file, cached, run_ranks, slowest
 from osdp_planners.options import Option
 from osdp_planners.plan import Strategy
 from osdp_planners.profile import ModelProfile
@@ -58,7 +58,7 @@ def _overheads(plain: nn.Module, build: Callable[[str], nn.Module], seq_len: int
     return out
 
 
-def _measure_rank(_rank: int, world: int, args: list[str]) -> dict[str, Any]:
+def measure_rank(_rank: int, world: int, args: list[str]) -> dict[str, Any]:
     with open(args[0], "rb") as f:
         build, seq_len, vocab_size = cloudpickle.load(f)
     torch.manual_seed(0)
@@ -75,7 +75,7 @@ def measure_on_ranks(build: Callable[[str], nn.Module], seq_len: int, vocab_size
         cloudpickle.dump((build, seq_len, vocab_size), f)
         f.flush()
         result = cached(cache_file(f"model-v{VERSION}", f"{key}-r{ranks}"),
-                        lambda: run_ranks("osdp_planners.model_probe", ranks, [f.name]))
+                        lambda: run_ranks("osdp_planners.model_probe:measure_rank", ranks, [f.name]))
     overheads = ModelOverheads(**result["overheads"]) if result["overheads"] else None
     return share_by_flops(result["totals"], flops), overheads
 
@@ -99,6 +99,3 @@ def calibrate(comm: CommProfile, overheads: ModelOverheads, profile: ModelProfil
         per_tensor[name] = max((overheads.optimizer_added_s[name] + saved) / tensors, 0.0)
     return dataclasses.replace(comm, scale=scale, optimizer_tensor_cost_s=per_tensor)
 
-
-if __name__ == "__main__":
-    rank_main(_measure_rank)
