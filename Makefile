@@ -19,6 +19,7 @@ run: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 typecheck: $(STAMP)
 	@mkdir -p $(TYPECHECK_SRC) && ln -sfn ../../platform $(TYPECHECK_SRC)/osdp_platform \
@@ -30,6 +31,5 @@ docs: $(STAMP)
 	$(VENV)/bin/python -m osdp_platform.recipe_docs --write README.md
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check .
-	@$(MAKE) --no-print-directory typecheck
+	@$(MAKE) --no-print-directory lint typecheck
 	$(VENV)/bin/pytest -q

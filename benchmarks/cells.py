@@ -64,8 +64,16 @@ def _same_run(a: Plan, b: Plan) -> bool:
 
 
 def recipe_for(shape: str, world: int, planner: str, budget_gb: float, extra: list[str] | None = None) -> Recipe:
-    return load_recipe(RECIPE, [*SHAPES[shape], f"hardware.workers_per_node={world}", f"planner.name={planner}",
-                                f"hardware.memory_per_device_gb={budget_gb:.6f}", *(extra or [])])
+    return load_recipe(
+        RECIPE,
+        [
+            *SHAPES[shape],
+            f"hardware.workers_per_node={world}",
+            f"planner.name={planner}",
+            f"hardware.memory_per_device_gb={budget_gb:.6f}",
+            *(extra or []),
+        ],
+    )
 
 
 def budgets(uniform: dict[str, Plan], margin: MemoryMargin) -> list[tuple[str, float]]:
@@ -113,8 +121,10 @@ def split_plans(world: int, shape: str, budget_gb: float, jobs: Jobs) -> dict[in
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for k in SPLITS:
-            units = [u.model_copy(update={"split": k}) if linear.get(u.name) and u.strategy is Strategy.ZERO3 else u
-                     for u in result.plan.units]
+            units = [
+                u.model_copy(update={"split": k}) if linear.get(u.name) and u.strategy is Strategy.ZERO3 else u
+                for u in result.plan.units
+            ]
             path = Path(tmp) / f"split{k}.json"
             path.write_text(result.plan.model_copy(update={"units": units}).to_json())
             manual = recipe_for(shape, world, "manual", budget_gb, [f"planner.plan_file={path}"])

@@ -72,9 +72,15 @@ def main() -> None:
         ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
         for _ in range(args.repeats):
             for name in names:
-                recipe = load_recipe(RECIPE, [f"planner.name={name}", f"train.steps={args.steps}",
-                                              "hardware.memory_per_device_gb=1",
-                                              f"tracking.uri=sqlite:///{tmp}/mlflow.db"])
+                recipe = load_recipe(
+                    RECIPE,
+                    [
+                        f"planner.name={name}",
+                        f"train.steps={args.steps}",
+                        "hardware.memory_per_device_gb=1",
+                        f"tracking.uri=sqlite:///{tmp}/mlflow.db",
+                    ],
+                )
                 summary = submit(recipe, console=Console(quiet=True))
                 runs[name].append(summary.measured())
                 plans[name] = summary.plan
@@ -85,8 +91,11 @@ def main() -> None:
     rows = [_row(name, plans[name], runs[name], bare[name]) for name in names]
     _print(console, rows, args)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"machine": stdlib_platform.node(), "steps": args.steps,
-                                   "repeats": args.repeats, "rows": rows}, indent=2))
+    RESULTS.write_text(
+        json.dumps(
+            {"machine": stdlib_platform.node(), "steps": args.steps, "repeats": args.repeats, "rows": rows}, indent=2
+        )
+    )
     console.print(f"written {RESULTS}")
 
 
@@ -109,17 +118,31 @@ def _row(name: str, plan: Plan, runs: list[dict[str, float]], bare_s: float) -> 
 
 
 def _print(console: Console, rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    table = Table(title=f"tiny recipe, 2 gloo workers, {args.steps} steps x {args.repeats} rounds "
-                        f"({stdlib_platform.node()})")
-    for col in ("planner", "predicted step ms", "Ray runs ms", "Ray / predicted", "bare ranks ms",
-                "bare / predicted", "peak MiB", "memory measured/predicted"):
+    table = Table(
+        title=f"tiny recipe, 2 gloo workers, {args.steps} steps x {args.repeats} rounds ({stdlib_platform.node()})"
+    )
+    for col in (
+        "planner",
+        "predicted step ms",
+        "Ray runs ms",
+        "Ray / predicted",
+        "bare ranks ms",
+        "bare / predicted",
+        "peak MiB",
+        "memory measured/predicted",
+    ):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(r["planner"], f"{r['predicted_step_time_s'] * 1e3:.1f}",
-                      " ".join(f"{s * 1e3:.0f}" for s in r["measured_step_time_s"]),
-                      f"{r['step_time_ratio_median']:.2f}", f"{r['bare_step_time_s'] * 1e3:.1f}",
-                      f"{r['bare_step_time_ratio']:.2f}", f"{r['measured_peak_memory_bytes'] / 2**20:.2f}",
-                      f"{r['peak_memory_ratio']:.3f}")
+        table.add_row(
+            r["planner"],
+            f"{r['predicted_step_time_s'] * 1e3:.1f}",
+            " ".join(f"{s * 1e3:.0f}" for s in r["measured_step_time_s"]),
+            f"{r['step_time_ratio_median']:.2f}",
+            f"{r['bare_step_time_s'] * 1e3:.1f}",
+            f"{r['bare_step_time_ratio']:.2f}",
+            f"{r['measured_peak_memory_bytes'] / 2**20:.2f}",
+            f"{r['peak_memory_ratio']:.3f}",
+        )
     console.print(table)
 
 

@@ -39,14 +39,20 @@ MIB = 1024**2
 
 def _plans(recipe: Recipe) -> tuple[dict[str, Plan], Context]:
     """The three plans, and the context (profile, times) they were predicted in: planned once each."""
+
     def planned(name: str) -> PlanResult:
-        return plan_recipe(recipe.model_copy(update={"planner": recipe.planner.model_copy(
-            update={"name": name, "memory_limit_gb": 1e4})}))
+        return plan_recipe(
+            recipe.model_copy(
+                update={"planner": recipe.planner.model_copy(update={"name": name, "memory_limit_gb": 1e4})}
+            )
+        )
 
     dp, result = planned("ddp").plan, planned("zero3")
     zero3 = result.plan
-    mixed = [u.model_copy(update={"strategy": Strategy.DDP, "shard_group_size": 1}) if i % 2 else u
-             for i, u in enumerate(zero3.units)]
+    mixed = [
+        u.model_copy(update={"strategy": Strategy.DDP, "shard_group_size": 1}) if i % 2 else u
+        for i, u in enumerate(zero3.units)
+    ]
     return {"ddp": dp, "zero3": zero3, "mixed": zero3.model_copy(update={"units": mixed})}, result.context
 
 
@@ -65,8 +71,10 @@ def _measure(recipe: Recipe, plan: Plan, device: torch.device, meshes: Meshes, s
     for _ in range(steps):
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        allocated = max(allocated, measure_step_peak(
-            model, opt, lambda: train_step(model, opt, batches, plan.grad_accum_steps), device))
+        allocated = max(
+            allocated,
+            measure_step_peak(model, opt, lambda: train_step(model, opt, batches, plan.grad_accum_steps), device),
+        )
         if device.type == "cuda":
             reserved = max(reserved, torch.cuda.max_memory_reserved(device))
     return {"allocated_peak_bytes": allocated, "reserved_peak_bytes": reserved or allocated}
@@ -99,22 +107,41 @@ def main() -> None:
             measured = _measure(recipe, plan, device, meshes, args.steps)
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # the previous plan's model is gone: its cached blocks must not count
-            rows.append({"plan": name, "micro_batch": plan.micro_batch_size, "predicted_peak_bytes": int(predicted),
-                         **measured, "allocated_vs_predicted": measured["allocated_peak_bytes"] / predicted - 1,
-                         "reserved_over_allocated": measured["reserved_peak_bytes"]
-                         / measured["allocated_peak_bytes"] - 1})
+            rows.append(
+                {
+                    "plan": name,
+                    "micro_batch": plan.micro_batch_size,
+                    "predicted_peak_bytes": int(predicted),
+                    **measured,
+                    "allocated_vs_predicted": measured["allocated_peak_bytes"] / predicted - 1,
+                    "reserved_over_allocated": measured["reserved_peak_bytes"] / measured["allocated_peak_bytes"] - 1,
+                }
+            )
     finally:
         dist.destroy_process_group()
-    print(f"{recipe.model.label}, rank 0 of {args.world}, {device.type}; GPU margin default "
-          f"{DEFAULT_FRACTION['gpu']:.0%} + 1 GiB")
+    print(
+        f"{recipe.model.label}, rank 0 of {args.world}, {device.type}; GPU margin default "
+        f"{DEFAULT_FRACTION['gpu']:.0%} + 1 GiB"
+    )
     print(f"{'plan':8} {'predicted MiB':>14} {'allocated MiB':>14} {'error':>8} {'reserved MiB':>13} {'reserve +':>10}")
     for r in rows:
-        print(f"{r['plan']:8} {r['predicted_peak_bytes'] / MIB:14.1f} {r['allocated_peak_bytes'] / MIB:14.1f} "
-              f"{r['allocated_vs_predicted']:+8.2%} {r['reserved_peak_bytes'] / MIB:13.1f} "
-              f"{r['reserved_over_allocated']:+10.2%}")
+        print(
+            f"{r['plan']:8} {r['predicted_peak_bytes'] / MIB:14.1f} {r['allocated_peak_bytes'] / MIB:14.1f} "
+            f"{r['allocated_vs_predicted']:+8.2%} {r['reserved_peak_bytes'] / MIB:13.1f} "
+            f"{r['reserved_over_allocated']:+10.2%}"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"command": " ".join(["benchmarks/gpu_fake_rank.py", args.recipe, *args.overrides,
-                                                          "--world", str(args.world)]), "rows": rows}, indent=2))
+    args.out.write_text(
+        json.dumps(
+            {
+                "command": " ".join(
+                    ["benchmarks/gpu_fake_rank.py", args.recipe, *args.overrides, "--world", str(args.world)]
+                ),
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

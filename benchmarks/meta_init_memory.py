@@ -52,10 +52,19 @@ def main() -> None:
     full = 4 * sum(p.numel() for p in build_model(recipe.model, "meta").parameters())
     largest_unit = max(4 * u.param_count for u in plan.units)
     dist.destroy_process_group()
-    result = {"recipe": args.recipe, "overrides": args.overrides, "model": plan.model, "planner": plan.planner,
-              "world": args.world, "rank": args.rank, "build_s": round(seconds, 1),
-              "peak_rss_grown_mib": round(grown / MIB), "shards_mib": round(shards / MIB),
-              "largest_unit_mib": round(largest_unit / MIB), "full_model_mib": round(full / MIB)}
+    result = {
+        "recipe": args.recipe,
+        "overrides": args.overrides,
+        "model": plan.model,
+        "planner": plan.planner,
+        "world": args.world,
+        "rank": args.rank,
+        "build_s": round(seconds, 1),
+        "peak_rss_grown_mib": round(grown / MIB),
+        "shards_mib": round(shards / MIB),
+        "largest_unit_mib": round(largest_unit / MIB),
+        "full_model_mib": round(full / MIB),
+    }
     print(json.dumps(result, indent=1))
     RESULTS.write_text(json.dumps(result, indent=1) + "\n")
 

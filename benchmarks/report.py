@@ -20,8 +20,10 @@ def _mmm(values: list[float], scale: float = 1.0, fmt: str = "{:.1f}") -> str:
 
 
 def _mix(plan: dict[str, Any]) -> str:
-    counts = Counter(f"{u['strategy']}({u['shard_group_size']})" + (f"x{u['split']}" if u["split"] > 1 else "")
-                     for u in plan["units"])
+    counts = Counter(
+        f"{u['strategy']}({u['shard_group_size']})" + (f"x{u['split']}" if u["split"] > 1 else "")
+        for u in plan["units"]
+    )
     return ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
 
 
@@ -34,34 +36,53 @@ def cell_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for cell in result["cells"]:
         runs = result["runs"][str(cell["world"])]
-        tput = {p: [m["measured_throughput_samples_per_s"] for m in runs[k]["measured"]]
-                for p, k in cell["plans"].items()}
+        tput = {
+            p: [m["measured_throughput_samples_per_s"] for m in runs[k]["measured"]] for p, k in cell["plans"].items()
+        }
         uniform = [statistics.median(v) for p, v in tput.items() if p != "osdp"]
         best = max(uniform) if uniform else None
         for planner in ("osdp", "ddp", "zero2", "zero3", "hsdp"):
-            row = {"world": cell["world"], "shape": cell["shape"], "budget": cell["budget_label"],
-                   "budget_gb": cell["budget_gb"], "planner": planner}
+            row = {
+                "world": cell["world"],
+                "shape": cell["shape"],
+                "budget": cell["budget_label"],
+                "budget_gb": cell["budget_gb"],
+                "planner": planner,
+            }
             if planner in cell["unfit"]:
                 rows.append(row | {"fits": False, "why": cell["unfit"][planner]})
                 continue
             key = cell["plans"][planner]
             plan, meas = runs[key]["plan"], runs[key]["measured"]
-            rows.append(row | {
-                "fits": True, "plan": key, "mix": _mix(plan), "throughput": tput[planner],
-                "ratio": statistics.median(tput[planner]) / best if best else None,
-                "pred_step_s": plan["predicted"]["step_time_s"],
-                "step_s": [m["measured_step_time_s"] for m in meas],
-                "pred_peak": plan["predicted"]["peak_memory_bytes"],
-                "peak": max(m["measured_peak_memory_bytes"] for m in meas)})
+            rows.append(
+                row
+                | {
+                    "fits": True,
+                    "plan": key,
+                    "mix": _mix(plan),
+                    "throughput": tput[planner],
+                    "ratio": statistics.median(tput[planner]) / best if best else None,
+                    "pred_step_s": plan["predicted"]["step_time_s"],
+                    "step_s": [m["measured_step_time_s"] for m in meas],
+                    "pred_peak": plan["predicted"]["peak_memory_bytes"],
+                    "peak": max(m["measured_peak_memory_bytes"] for m in meas),
+                }
+            )
     return rows
 
 
 def _cells_md(result: dict[str, Any], rows: list[dict[str, Any]], world: int) -> list[str]:
-    out = [f"### {world} gloo workers", "", f"Command: `{result['command']}` ({result['steps']} steps per run, "
-           f"timing from the steps after the first without a memory probe; min / median / max over "
-           f"{result['repeats']} interleaved repeats).", "",
-           "| shape | budget | planner | plan | samples/s min / med / max | vs best uniform | step ms pred | "
-           "step ms meas (med) | err | peak MiB pred | peak MiB meas | err |", "|" + "---|" * 12]
+    out = [
+        f"### {world} gloo workers",
+        "",
+        f"Command: `{result['command']}` ({result['steps']} steps per run, "
+        f"timing from the steps after the first without a memory probe; min / median / max over "
+        f"{result['repeats']} interleaved repeats).",
+        "",
+        "| shape | budget | planner | plan | samples/s min / med / max | vs best uniform | step ms pred | "
+        "step ms meas (med) | err | peak MiB pred | peak MiB meas | err |",
+        "|" + "---|" * 12,
+    ]
     for r in (r for r in rows if r["world"] == world):
         head = f"| {r['shape']} | {r['budget']} ({r['budget_gb'] * 1024:.1f} MiB) | {r['planner']} |"
         if not r["fits"]:
@@ -69,9 +90,11 @@ def _cells_md(result: dict[str, Any], rows: list[dict[str, Any]], world: int) ->
             continue
         step = statistics.median(r["step_s"])
         ratio = f"{r['ratio']:.2f}x" if r["ratio"] else "-"
-        out.append(f"{head} {r['mix']} | {_mmm(r['throughput'])} | {ratio} | {r['pred_step_s'] * 1e3:.1f} | "
-                   f"{step * 1e3:.1f} | {_err(r['pred_step_s'], step)} | {r['pred_peak'] / MIB:.2f} | "
-                   f"{r['peak'] / MIB:.2f} | {_err(r['pred_peak'], r['peak'])} |")
+        out.append(
+            f"{head} {r['mix']} | {_mmm(r['throughput'])} | {ratio} | {r['pred_step_s'] * 1e3:.1f} | "
+            f"{step * 1e3:.1f} | {_err(r['pred_step_s'], step)} | {r['pred_peak'] / MIB:.2f} | "
+            f"{r['peak'] / MIB:.2f} | {_err(r['pred_peak'], r['peak'])} |"
+        )
     return [*out, ""]
 
 
@@ -79,10 +102,15 @@ def _verdict(rows: list[dict[str, Any]]) -> list[str]:
     osdp = [r for r in rows if r["planner"] == "osdp" and r.get("ratio")]
     lose = [r for r in osdp if r["ratio"] < TIE]
     win = [r for r in osdp if r["ratio"] >= WIN and r["budget"] != "DDP fits"]
-    out = [f"OSDP's plan is at least {TIE}x the best fitting uniform plan (median) in {len(osdp) - len(lose)} of "
-           f"{len(osdp)} cells, and {WIN}x or more in {len(win)} cell(s) with a budget below DDP's need.", ""]
-    out += [f"- below {TIE}x: {r['world']} workers, {r['shape']}, {r['budget']}: {r['ratio']:.2f}x "
-            f"({r['mix']})" for r in lose]
+    out = [
+        f"OSDP's plan is at least {TIE}x the best fitting uniform plan (median) in {len(osdp) - len(lose)} of "
+        f"{len(osdp)} cells, and {WIN}x or more in {len(win)} cell(s) with a budget below DDP's need.",
+        "",
+    ]
+    out += [
+        f"- below {TIE}x: {r['world']} workers, {r['shape']}, {r['budget']}: {r['ratio']:.2f}x ({r['mix']})"
+        for r in lose
+    ]
     return [*out, ""]
 
 
@@ -94,8 +122,17 @@ def _png_ratios(rows: list[dict[str, Any]], path: Path) -> None:
         cells = list(dict.fromkeys((r["shape"], r["budget"]) for r in mine))
         planners = list(dict.fromkeys(r["planner"] for r in mine))
         for i, p in enumerate(planners):
-            ys = [next((r["ratio"] or 0 for r in mine if (r["shape"], r["budget"]) == c and r["planner"] == p
-                        and r["fits"]), 0) for c in cells]
+            ys = [
+                next(
+                    (
+                        r["ratio"] or 0
+                        for r in mine
+                        if (r["shape"], r["budget"]) == c and r["planner"] == p and r["fits"]
+                    ),
+                    0,
+                )
+                for c in cells
+            ]
             ax.bar([j + i * 0.16 for j in range(len(cells))], ys, width=0.16, label=p)
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xticks([j + 0.32 for j in range(len(cells))], [f"{s}\n{b}" for s, b in cells], fontsize=7)
@@ -110,8 +147,10 @@ def _png_ratios(rows: list[dict[str, Any]], path: Path) -> None:
 def _png_fidelity(rows: list[dict[str, Any]], path: Path) -> None:
     fit = [r for r in rows if r["fits"]]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4.5))
-    for ax, pred, meas, unit, scale in ((a, "pred_step_s", "step_s", "step ms", 1e3),
-                                        (b, "pred_peak", "peak", "peak MiB", 1 / MIB)):
+    for ax, pred, meas, unit, scale in (
+        (a, "pred_step_s", "step_s", "step ms", 1e3),
+        (b, "pred_peak", "peak", "peak MiB", 1 / MIB),
+    ):
         xs = [r[pred] * scale for r in fit]
         ys = [(statistics.median(r[meas]) if isinstance(r[meas], list) else r[meas]) * scale for r in fit]
         ax.scatter(xs, ys, s=12)
@@ -129,12 +168,17 @@ def _split(result: dict[str, Any], results_dir: Path, name: str) -> list[str]:
         return []
     runs = result["runs"]["2"]
     ks, pred_t, meas_t, pred_m, meas_m = [], [], [], [], []
-    out = ["## Operator splitting", "", f"Command: `{result['command']}`. "
-           f"Model `{result['split_shape']}`, 2 workers, ZeRO-3 with every "
-           "splittable unit's Linears split k ways (a zero3 plan with `split` edited, predicted by the manual "
-           "planner); min / median / max over the interleaved repeats.", "",
-           "| k | step ms pred | step ms meas min / med / max | err | peak MiB pred | peak MiB meas | err |",
-           "|" + "---|" * 7]
+    out = [
+        "## Operator splitting",
+        "",
+        f"Command: `{result['command']}`. "
+        f"Model `{result['split_shape']}`, 2 workers, ZeRO-3 with every "
+        "splittable unit's Linears split k ways (a zero3 plan with `split` edited, predicted by the manual "
+        "planner); min / median / max over the interleaved repeats.",
+        "",
+        "| k | step ms pred | step ms meas min / med / max | err | peak MiB pred | peak MiB meas | err |",
+        "|" + "---|" * 7,
+    ]
     for k, key in result["split"].items():
         plan, meas = runs[key]["plan"], runs[key]["measured"]
         steps = [m["measured_step_time_s"] for m in meas]
@@ -144,8 +188,10 @@ def _split(result: dict[str, Any], results_dir: Path, name: str) -> list[str]:
         meas_t.append(statistics.median(steps) * 1e3)
         pred_m.append(plan["predicted"]["peak_memory_bytes"] / MIB)
         meas_m.append(peak / MIB)
-        out.append(f"| {k} | {pred_t[-1]:.1f} | {_mmm(steps, 1e3)} | {_err(pred_t[-1], meas_t[-1])} | "
-                   f"{pred_m[-1]:.2f} | {meas_m[-1]:.2f} | {_err(pred_m[-1], meas_m[-1])} |")
+        out.append(
+            f"| {k} | {pred_t[-1]:.1f} | {_mmm(steps, 1e3)} | {_err(pred_t[-1], meas_t[-1])} | "
+            f"{pred_m[-1]:.2f} | {meas_m[-1]:.2f} | {_err(pred_m[-1], meas_m[-1])} |"
+        )
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     for ax, p, m, unit in ((a, pred_m, meas_m, "peak MiB"), (b, pred_t, meas_t, "step ms")):
         ax.plot(ks, p, "o--", label="predicted")
@@ -163,18 +209,24 @@ def _split(result: dict[str, Any], results_dir: Path, name: str) -> list[str]:
 def _paper(result: dict[str, Any]) -> list[str]:
     if not result["paper"]:
         return []
-    out = ["## The OSDP paper's setups, predicted (nothing run)", "",
-           "Each row is `plan_recipe` on the recipe (the `osdp-platform plan` command shown): the OSDP plan's "
-           "predicted throughput against the best uniform plan that fits, from the plan's own `baselines`. The last "
-           "column is what the OSDP paper's research code published for its setup, measured on its hardware: "
-           "not our number and not comparable one to one.", "",
-           "| setup | command | OSDP plan | OSDP samples/s | best uniform | its samples/s | ratio | published |",
-           "|" + "---|" * 8]
+    out = [
+        "## The OSDP paper's setups, predicted (nothing run)",
+        "",
+        "Each row is `plan_recipe` on the recipe (the `osdp-platform plan` command shown): the OSDP plan's "
+        "predicted throughput against the best uniform plan that fits, from the plan's own `baselines`. The last "
+        "column is what the OSDP paper's research code published for its setup, measured on its hardware: "
+        "not our number and not comparable one to one.",
+        "",
+        "| setup | command | OSDP plan | OSDP samples/s | best uniform | its samples/s | ratio | published |",
+        "|" + "---|" * 8,
+    ]
     for r in result["paper"]:
         best = r["best_uniform_throughput"]
         ratio = f"{r['osdp_throughput'] / best:.2f}x" if best else "no uniform plan fits"
-        out.append(f"| {r['setup']} | `{r['command']}` | {', '.join(r['osdp_mix'])} | {r['osdp_throughput']:.2f} | "
-                   f"{r['best_uniform'] or '-'} | {best or 0:.2f} | {ratio} | {r['published']} |")
+        out.append(
+            f"| {r['setup']} | `{r['command']}` | {', '.join(r['osdp_mix'])} | {r['osdp_throughput']:.2f} | "
+            f"{r['best_uniform'] or '-'} | {best or 0:.2f} | {ratio} | {r['published']} |"
+        )
     return [*out, ""]
 
 
@@ -182,16 +234,26 @@ def _search(result: dict[str, Any]) -> list[str]:
     s = result["search_time"]
     if not s:
         return []
-    out = ["## Search time", "", "Command: `python benchmarks/search_time.py --layers 96` (its own JSON, "
-           "benchmarks/results/search_time.json; see benchmarks/README.md).", "", "| what | value |", "|---|---|"]
+    out = [
+        "## Search time",
+        "",
+        "Command: `python benchmarks/search_time.py --layers 96` (its own JSON, "
+        "benchmarks/results/search_time.json; see benchmarks/README.md).",
+        "",
+        "| what | value |",
+        "|---|---|",
+    ]
     sp, plan, c = s["space"], s["plan"] or {}, s["config"]
     runs = s["search_s"]["runs"]
-    out += [f"| model | {c['family']} {c['size']} at {c['layers']} layers, {sp['params'] / 1e9:.2f}B params, "
-            f"{c['workers_per_node']} x {c['preset']} |",
-            f"| units x options (max per unit) | {sp['units']} x {sp['options_per_unit_max']} |",
-            f"| candidates scored | {sp['candidates_scored']:,} |", f"| profiling | {s['profiling_s']:.2f} s |",
-            f"| search, min / median / max of {len(runs)} | {_mmm(runs, 1, '{:.3f}')} s |",
-            f"| plan vs best uniform (predicted) | {plan.get('vs_best_uniform', 0):.2f}x |"]
+    out += [
+        f"| model | {c['family']} {c['size']} at {c['layers']} layers, {sp['params'] / 1e9:.2f}B params, "
+        f"{c['workers_per_node']} x {c['preset']} |",
+        f"| units x options (max per unit) | {sp['units']} x {sp['options_per_unit_max']} |",
+        f"| candidates scored | {sp['candidates_scored']:,} |",
+        f"| profiling | {s['profiling_s']:.2f} s |",
+        f"| search, min / median / max of {len(runs)} | {_mmm(runs, 1, '{:.3f}')} s |",
+        f"| plan vs best uniform (predicted) | {plan.get('vs_best_uniform', 0):.2f}x |",
+    ]
     return [*out, ""]
 
 
@@ -200,13 +262,22 @@ def _submit(result: dict[str, Any]) -> list[str]:
     if not s:
         return []
     med = {k: statistics.median(v) for k, v in s.items()}
-    return ["## The issue's submit check", "", "Commands, interleaved, 3 times: `osdp-platform submit "
-            "recipes/tiny.yaml planner.name=X hardware.memory_per_device_gb=1 tracking.uri=sqlite:////tmp/bench-m.db` "
-            "for X in ddp, osdp (run in-process by side_by_side.py through the same `submit`). "
-            "Median step time per run (submit's "
-            "summary, MLflow `step_time_s`).", "", "| planner | step ms min / med / max |", "|---|---|",
-            *[f"| {k} | {_mmm(v, 1e3)} |" for k, v in s.items()], "",
-            f"OSDP / DDP median step time: {med['osdp'] / med['ddp']:.2f} (target: <= 1.05).", ""]
+    return [
+        "## The issue's submit check",
+        "",
+        "Commands, interleaved, 3 times: `osdp-platform submit "
+        "recipes/tiny.yaml planner.name=X hardware.memory_per_device_gb=1 tracking.uri=sqlite:////tmp/bench-m.db` "
+        "for X in ddp, osdp (run in-process by side_by_side.py through the same `submit`). "
+        "Median step time per run (submit's "
+        "summary, MLflow `step_time_s`).",
+        "",
+        "| planner | step ms min / med / max |",
+        "|---|---|",
+        *[f"| {k} | {_mmm(v, 1e3)} |" for k, v in s.items()],
+        "",
+        f"OSDP / DDP median step time: {med['osdp'] / med['ddp']:.2f} (target: <= 1.05).",
+        "",
+    ]
 
 
 def write_report(result: dict[str, Any], md: Path, results_dir: Path, name: str) -> None:
@@ -214,34 +285,51 @@ def write_report(result: dict[str, Any], md: Path, results_dir: Path, name: str)
     _png_ratios(rows, results_dir / f"{name}_ratios.png")
     _png_fidelity(rows, results_dir / f"{name}_fidelity.png")
     worlds = sorted({r["world"] for r in rows})
-    lines = ["# Benchmark results", "", f"Made by `{result['command']}` in {result['wall_s'] / 60:.1f} min on the "
-             "2-core development machine, shared with other jobs: timings are noisy; compare within a table.", "",
-             "## Side by side: OSDP vs every uniform plan, measured", "",
-             "Budgets per shape come from the planner's own predicted peaks for uniform DDP and ZeRO-3: 1.1x DDP's "
-             "need (DDP fits), and 2/3 and 1/3 of the way from ZeRO-3's need to DDP's. `vs best uniform` is the "
-             "median throughput over the median of the fastest fitting uniform plan. Plan: units per "
-             "strategy(shard group), xk = Linears split k ways.", "", *_verdict(rows)]
+    lines = [
+        "# Benchmark results",
+        "",
+        f"Made by `{result['command']}` in {result['wall_s'] / 60:.1f} min on the "
+        "2-core development machine, shared with other jobs: timings are noisy; compare within a table.",
+        "",
+        "## Side by side: OSDP vs every uniform plan, measured",
+        "",
+        "Budgets per shape come from the planner's own predicted peaks for uniform DDP and ZeRO-3: 1.1x DDP's "
+        "need (DDP fits), and 2/3 and 1/3 of the way from ZeRO-3's need to DDP's. `vs best uniform` is the "
+        "median throughput over the median of the fastest fitting uniform plan. Plan: units per "
+        "strategy(shard group), xk = Linears split k ways.",
+        "",
+        *_verdict(rows),
+    ]
     for w in worlds:
         lines += _cells_md(result, rows, w)
     fit = [r for r in rows if r["fits"]]
     step_err = [abs(r["pred_step_s"] / statistics.median(r["step_s"]) - 1) * 100 for r in fit]
     mem_err = [abs(r["pred_peak"] / r["peak"] - 1) * 100 for r in fit]
-    lines += [f"![ratios](results/{name}_ratios.png)", "", "## Fidelity", "",
-              "Every fitting run above, predicted against measured (median step time, max peak); the error of "
-              "each is in the tables (prediction / measurement - 1). Over all rows, |error| min / median / max: "
-              f"step time {_mmm(step_err, 1, '{:.0f}')} %, peak memory {_mmm(mem_err, 1, '{:.1f}')} %.", "",
-              f"![fidelity](results/{name}_fidelity.png)", ""]
+    lines += [
+        f"![ratios](results/{name}_ratios.png)",
+        "",
+        "## Fidelity",
+        "",
+        "Every fitting run above, predicted against measured (median step time, max peak); the error of "
+        "each is in the tables (prediction / measurement - 1). Over all rows, |error| min / median / max: "
+        f"step time {_mmm(step_err, 1, '{:.0f}')} %, peak memory {_mmm(mem_err, 1, '{:.1f}')} %.",
+        "",
+        f"![fidelity](results/{name}_fidelity.png)",
+        "",
+    ]
     lines += _split(result, results_dir, name) + _paper(result) + _search(result) + _submit(result)
     lines += ["## Where OSDP does not win, and why", "", WHY, ""]
     md.write_text("\n".join(lines))
 
 
-WHY = ("Where DDP fits, OSDP can at best tie the best uniform plan: the rows above show whether it does. The "
-       "planner's time model charges compute and communication; on 2 shared CPU cores each FSDP2 unit also costs "
-       "Python work per step (hooks, collective launches) that the model does not charge, and the workers share "
-       "their cores with Ray's own processes and with other jobs on this machine. So plans the model calls equal "
-       "(e.g. HSDP over groups of 1 and DDP, or a mix of them with ZeRO-2) measure tens of percent apart, in either "
-       "direction from run to run, and the search breaks such ties by order, not by what the runtime executes "
-       "fastest (issue 9 item 1 addresses that). On 4 workers the workers time-share the 2 cores, so measured "
-       "times are far above predictions that assume a core per worker, and rankings there are least reliable. "
-       "Cells where OSDP measures below 0.97x are listed at the top, with the plan it chose.")
+WHY = (
+    "Where DDP fits, OSDP can at best tie the best uniform plan: the rows above show whether it does. The "
+    "planner's time model charges compute and communication; on 2 shared CPU cores each FSDP2 unit also costs "
+    "Python work per step (hooks, collective launches) that the model does not charge, and the workers share "
+    "their cores with Ray's own processes and with other jobs on this machine. So plans the model calls equal "
+    "(e.g. HSDP over groups of 1 and DDP, or a mix of them with ZeRO-2) measure tens of percent apart, in either "
+    "direction from run to run, and the search breaks such ties by order, not by what the runtime executes "
+    "fastest (issue 9 item 1 addresses that). On 4 workers the workers time-share the 2 cores, so measured "
+    "times are far above predictions that assume a core per worker, and rankings there are least reliable. "
+    "Cells where OSDP measures below 0.97x are listed at the top, with the plan it chose."
+)

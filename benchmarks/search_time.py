@@ -65,10 +65,18 @@ def make_request(args: argparse.Namespace) -> PlanRequest:
     device = get_preset(args.preset)
     limit = device.memory_bytes if args.memory_gb is None else int(args.memory_gb * GIB)
     world = args.nodes * args.workers_per_node
-    return PlanRequest(planner="osdp", model_label=f"{args.family}-{args.size}-{args.layers}l", nodes=args.nodes,
-                       workers_per_node=args.workers_per_node, device=device, memory_limit_bytes=limit,
-                       seq_len=args.seq_len, micro_batch_size=None, global_batch_size=args.per_rank_batch * world,
-                       precision=args.precision)
+    return PlanRequest(
+        planner="osdp",
+        model_label=f"{args.family}-{args.size}-{args.layers}l",
+        nodes=args.nodes,
+        workers_per_node=args.workers_per_node,
+        device=device,
+        memory_limit_bytes=limit,
+        seq_len=args.seq_len,
+        micro_batch_size=None,
+        global_batch_size=args.per_rank_batch * world,
+        precision=args.precision,
+    )
 
 
 @contextmanager
@@ -84,6 +92,7 @@ def phase_timers() -> Iterator[dict[str, float]]:
                 return fn(*a, **kw)
             finally:
                 spent[name] += time.perf_counter() - t
+
         return wrapper
 
     for name, fn in originals.items():
@@ -99,34 +108,48 @@ def space(ctx: Context, req: PlanRequest) -> dict[str, Any]:
     """Size of what the search looks at: units, options per unit, batch candidates."""
     per_unit = [len(opts) for opts in osdp.unit_option_lists(ctx, req).values()]
     batches = osdp.batch_candidates(req)
-    return {"units": len(per_unit), "options_per_unit_max": max(per_unit), "options_total": sum(per_unit),
-            "micro_batches": [b for b, _ in batches], "candidates_scored": sum(per_unit) * len(batches),
-            "params": sum(u.param_count for u in ctx.profile.units)}
+    return {
+        "units": len(per_unit),
+        "options_per_unit_max": max(per_unit),
+        "options_total": sum(per_unit),
+        "micro_batches": [b for b, _ in batches],
+        "candidates_scored": sum(per_unit) * len(batches),
+        "params": sum(u.param_count for u in ctx.profile.units),
+    }
 
 
 def search_bound(ctx: Context, choice: osdp.Choice) -> float:
     """The search's memory bound for the chosen options (what solve kept under the limit)."""
     units = list(choice.options)
-    cands = osdp.search_candidates(ctx, units, {u: [o] for u, o in choice.options.items()}, choice.batch,
-                                   choice.accum)
+    cands = osdp.search_candidates(ctx, units, {u: [o] for u, o in choice.options.items()}, choice.batch, choice.accum)
     return bound(cands, [0] * len(cands), quantum_for(ctx.memory_limit))
 
 
 def plan_summary(ctx: Context, req: PlanRequest, choice: osdp.Choice) -> dict[str, Any]:
     ev = choice.evaluation
-    mix = Counter(f"{o.strategy.value}/g{o.group}/split{o.split}{'/ckpt' if o.checkpoint else ''}"
-                  for o in choice.options.values())
+    mix = Counter(
+        f"{o.strategy.value}/g{o.group}/split{o.split}{'/ckpt' if o.checkpoint else ''}"
+        for o in choice.options.values()
+    )
     uniform = {}
     for s in Strategy:
         found = osdp.best_uniform(ctx, req, s)
-        uniform[s.value] = None if found is None else {"micro_batch": found.batch,
-                                                        "throughput": found.evaluation.throughput}
+        uniform[s.value] = (
+            None if found is None else {"micro_batch": found.batch, "throughput": found.evaluation.throughput}
+        )
     best_uniform = max((u["throughput"] for u in uniform.values() if u), default=None)
-    return {"micro_batch": choice.batch, "grad_accum": choice.accum, "peak_gib": ev.peak_bytes / GIB,
-            "bound_gib": search_bound(ctx, choice) / GIB, "limit_gib": ctx.memory_limit / GIB,
-            "step_time_s": ev.step_time_s, "throughput": ev.throughput,
-            "mix": dict(mix.most_common()), "uniform": uniform,
-            "vs_best_uniform": None if best_uniform is None else ev.throughput / best_uniform}
+    return {
+        "micro_batch": choice.batch,
+        "grad_accum": choice.accum,
+        "peak_gib": ev.peak_bytes / GIB,
+        "bound_gib": search_bound(ctx, choice) / GIB,
+        "limit_gib": ctx.memory_limit / GIB,
+        "step_time_s": ev.step_time_s,
+        "throughput": ev.throughput,
+        "mix": dict(mix.most_common()),
+        "uniform": uniform,
+        "vs_best_uniform": None if best_uniform is None else ev.throughput / best_uniform,
+    }
 
 
 def top_of_profile(ctx: Context, req: PlanRequest, n: int = 18) -> str:
@@ -163,10 +186,16 @@ def main() -> None:
     search_s = statistics.median(runs)
 
     result: dict[str, Any] = {
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
-                   if k not in ("profile", "out")},
-        "machine": {"node": stdlib_platform.node(), "cpus": os.cpu_count(), "python": stdlib_platform.python_version(),
-                    "torch": torch.__version__, "numpy": np.__version__},
+        "config": {
+            k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("profile", "out")
+        },
+        "machine": {
+            "node": stdlib_platform.node(),
+            "cpus": os.cpu_count(),
+            "python": stdlib_platform.python_version(),
+            "torch": torch.__version__,
+            "numpy": np.__version__,
+        },
         "space": space(ctx, req),
         "profiling_s": profiling_s,
         "search_s": {"median": search_s, "min": min(runs), "runs": runs},
@@ -177,9 +206,11 @@ def main() -> None:
     }
 
     sp = result["space"]
-    table = Table(title=f"OSDP search: {req.model_label} ({sp['params'] / 1e9:.2f}B params), "
-                        f"{req.world_size} x {args.preset}, limit {req.memory_limit_bytes / GIB:.1f} GiB, "
-                        f"seq {args.seq_len}, {args.precision} ({stdlib_platform.node()}, {os.cpu_count()} CPUs)")
+    table = Table(
+        title=f"OSDP search: {req.model_label} ({sp['params'] / 1e9:.2f}B params), "
+        f"{req.world_size} x {args.preset}, limit {req.memory_limit_bytes / GIB:.1f} GiB, "
+        f"seq {args.seq_len}, {args.precision} ({stdlib_platform.node()}, {os.cpu_count()} CPUs)"
+    )
     table.add_column("what")
     table.add_column("value", justify="right")
     table.add_row("units x options (max per unit)", f"{sp['units']} x {sp['options_per_unit_max']}")
@@ -196,8 +227,10 @@ def main() -> None:
         table.add_row("plan", "none fits")
     else:
         table.add_row("micro batch x accumulation", f"{plan['micro_batch']} x {plan['grad_accum']}")
-        table.add_row("predicted peak (search bound)",
-                      f"{plan['peak_gib']:.2f} GiB ({plan['bound_gib']:.2f}) of {plan['limit_gib']:.1f}")
+        table.add_row(
+            "predicted peak (search bound)",
+            f"{plan['peak_gib']:.2f} GiB ({plan['bound_gib']:.2f}) of {plan['limit_gib']:.1f}",
+        )
         table.add_row("step time / throughput", f"{plan['step_time_s']:.3f} s / {plan['throughput']:.1f} samples/s")
         table.add_row("units by option", "; ".join(f"{k}: {v}" for k, v in plan["mix"].items()))
         if plan["vs_best_uniform"] is not None:

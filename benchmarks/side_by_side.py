@@ -71,8 +71,10 @@ def _run_one(recipe: Recipe, plan: Plan, steps: int, rank: int, world: int) -> l
             losses.append(float(train_step(model, optimizer, batches, plan.grad_accum_steps)))
 
         times, peaks, peak = timed_step(model, optimizer, one_step, device, world, step in probes)
-        record.append({"step_time_s": max(times), "loss": losses[0]}
-                      | ({"peak_memory_bytes": max(peaks)} if peak is not None else {}))
+        record.append(
+            {"step_time_s": max(times), "loss": losses[0]}
+            | ({"peak_memory_bytes": max(peaks)} if peak is not None else {})
+        )
     return record
 
 
@@ -96,10 +98,14 @@ def measure(world: int, jobs: Jobs, steps: int, repeats: int) -> dict[str, list[
     """One TorchTrainer for all of this world size's jobs; each job's measured aggregates per repeat."""
     recipes = {s: recipe_for(s, world, "ddp", 1).model_dump(mode="json") for s in set(jobs.shape_of.values())}
     queue = Queue(actor_options={"num_cpus": 0})
-    config = {"recipes": recipes, "steps": steps, "repeats": repeats, "results": queue,
-              "jobs": {k: (jobs.shape_of[k], p.to_json()) for k, p in jobs.plans.items()}}
-    TorchTrainer(_run_plans, train_loop_config=config,
-                 scaling_config=ScalingConfig(num_workers=world)).fit()
+    config = {
+        "recipes": recipes,
+        "steps": steps,
+        "repeats": repeats,
+        "results": queue,
+        "jobs": {k: (jobs.shape_of[k], p.to_json()) for k, p in jobs.plans.items()},
+    }
+    TorchTrainer(_run_plans, train_loop_config=config, scaling_config=ScalingConfig(num_workers=world)).fit()
     out: dict[str, list[dict[str, float]]] = {k: [] for k in jobs.plans}
     for _ in range(repeats * len(jobs.plans)):
         _r, key, record = queue.get(timeout=60)
@@ -115,12 +121,19 @@ def paper_setups() -> list[dict[str, Any]]:
         plan = plan_recipe(recipe).plan
         fits = {k: b for k, b in plan.baselines.items() if b.fits and b.throughput_samples_per_s}
         best = max(fits, key=lambda k: fits[k].throughput_samples_per_s) if fits else None
-        rows.append({"setup": label, "command": f"osdp-platform plan recipes/{name} {' '.join(overrides)}".strip(),
-                     "preset": recipe.hardware.preset, "osdp_throughput": plan.predicted.throughput_samples_per_s,
-                     "osdp_mix": sorted({f"{u.strategy.value}({u.shard_group_size})x{u.split}" for u in plan.units}),
-                     "best_uniform": best, "best_uniform_throughput": fits[best].throughput_samples_per_s if best
-                     else None, "baselines": {k: b.model_dump() for k, b in plan.baselines.items()},
-                     "published": published})
+        rows.append(
+            {
+                "setup": label,
+                "command": f"osdp-platform plan recipes/{name} {' '.join(overrides)}".strip(),
+                "preset": recipe.hardware.preset,
+                "osdp_throughput": plan.predicted.throughput_samples_per_s,
+                "osdp_mix": sorted({f"{u.strategy.value}({u.shard_group_size})x{u.split}" for u in plan.units}),
+                "best_uniform": best,
+                "best_uniform_throughput": fits[best].throughput_samples_per_s if best else None,
+                "baselines": {k: b.model_dump() for k, b in plan.baselines.items()},
+                "published": published,
+            }
+        )
     return rows
 
 
@@ -129,8 +142,10 @@ def submit_check(repeats: int, tmp: str) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {"ddp": [], "osdp": []}
     for _ in range(repeats):
         for name in out:
-            recipe = load_recipe(ROOT / "recipes" / "tiny.yaml", [f"planner.name={name}",
-                                 "hardware.memory_per_device_gb=1", f"tracking.uri=sqlite:///{tmp}/bench-m.db"])
+            recipe = load_recipe(
+                ROOT / "recipes" / "tiny.yaml",
+                [f"planner.name={name}", "hardware.memory_per_device_gb=1", f"tracking.uri=sqlite:///{tmp}/bench-m.db"],
+            )
             out[name].append(submit(recipe, console=Console(quiet=True)).measured()["measured_step_time_s"])
     return out
 
@@ -140,8 +155,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 workers, one shape, fewer steps")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=None,
-                        help="folder for RESULTS.md and results/ (default: benchmarks/, or a temp folder with --quick)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="folder for RESULTS.md and results/ (default: benchmarks/, or a temp folder with --quick)",
+    )
     parser.add_argument("--report", type=Path, default=None, help="only re-render RESULTS.md from this JSON")
     args = parser.parse_args()
     if args.report:
@@ -155,8 +174,14 @@ def main() -> None:
     console = Console()
     started = time.perf_counter()
     command = "python benchmarks/side_by_side.py" + (" --quick" if args.quick else "")
-    result: dict[str, Any] = {"split_shape": split_shape, "command": command,
-                              "steps": steps, "repeats": args.repeats, "worlds": list(worlds), "runs": {}}
+    result: dict[str, Any] = {
+        "split_shape": split_shape,
+        "command": command,
+        "steps": steps,
+        "repeats": args.repeats,
+        "worlds": list(worlds),
+        "runs": {},
+    }
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         cells, split = [], {}
@@ -167,11 +192,14 @@ def main() -> None:
             if world == 2:
                 at = next(c for c in world_cells if c.shape == split_shape and c.budget_label == BUDGET_POINTS[1][0])
                 split = split_plans(world, split_shape, at.budget_gb, jobs)
-            console.print(f"world {world}: {len(world_cells)} cells, {len(jobs.plans)} unique plans, planned in "
-                          f"{time.perf_counter() - t0:.0f} s")
+            console.print(
+                f"world {world}: {len(world_cells)} cells, {len(jobs.plans)} unique plans, planned in "
+                f"{time.perf_counter() - t0:.0f} s"
+            )
             runs = measure(world, jobs, steps, args.repeats)
-            result["runs"][str(world)] = {k: {"plan": json.loads(jobs.plans[k].to_json()), "measured": v}
-                                          for k, v in runs.items()}
+            result["runs"][str(world)] = {
+                k: {"plan": json.loads(jobs.plans[k].to_json()), "measured": v} for k, v in runs.items()
+            }
             cells += [asdict(c) for c in world_cells]
             console.print(f"world {world}: measured, {time.perf_counter() - started:.0f} s so far")
         result["cells"], result["split"] = cells, {str(k): v for k, v in split.items()}
@@ -192,6 +220,7 @@ def main() -> None:
     (out / "results" / "side_by_side.json").write_text(json.dumps(result, indent=1))
     write_report(result, out / "RESULTS.md", out / "results", "side_by_side")
     console.print(f"done in {result['wall_s']:.0f} s: {out / 'RESULTS.md'}")
+
 
 if __name__ == "__main__":
     main()

@@ -55,12 +55,12 @@ def _median_time(fn: Callable[[], object], repeats: int = REPEATS) -> float:
 
 def _stack(units: int, tensors: int) -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(*(nn.Sequential(*(nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(tensors)))
-                           for _ in range(units)))
+    return nn.Sequential(
+        *(nn.Sequential(*(nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(tensors))) for _ in range(units))
+    )
 
 
-def added_seconds(plain: nn.Module, sharded: nn.Module, step: Callable[[nn.Module], object]
-                  ) -> tuple[float, float]:
+def added_seconds(plain: nn.Module, sharded: nn.Module, step: Callable[[nn.Module], object]) -> tuple[float, float]:
     """Median seconds FSDP2 adds to forward+backward (`step`) and to an AdamW step, plain and sharded
     runs interleaved so that drift in the machine's speed cancels out of each difference; each time
     is the slowest rank's."""
@@ -86,17 +86,19 @@ def added_seconds(plain: nn.Module, sharded: nn.Module, step: Callable[[nn.Modul
 
 def probe_meshes(world: int) -> dict[str, DeviceMesh]:
     """DP replicates over a (world, 1) mesh, as the runtime applies it; ZeRO shards over all ranks."""
-    return {"ddp": init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard")),
-            "zero": init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))}
+    return {
+        "ddp": init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard")),
+        "zero": init_device_mesh("cpu", (world,), mesh_dim_names=("shard",)),
+    }
 
 
-def shard_uniform(model: nn.Module, units: list[list[nn.Module]], strategy: str, meshes: dict[str, DeviceMesh]
-                  ) -> nn.Module:
+def shard_uniform(
+    model: nn.Module, units: list[list[nn.Module]], strategy: str, meshes: dict[str, DeviceMesh]
+) -> nn.Module:
     """Every unit (its modules) under one strategy, the root over the rest."""
     mesh = meshes["ddp" if strategy == "ddp" else "zero"]
     for modules in units:
-        fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh,
-                    reshard_after_forward=strategy == "zero3")
+        fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, reshard_after_forward=strategy == "zero3")
     fully_shard(model, mesh=mesh, reshard_after_forward=False)
     return model
 
@@ -107,8 +109,9 @@ def _tiny_step(model: nn.Module) -> None:
 
 def _fit(rows: list[tuple[float, ...]], values: list[float]) -> list[float]:
     """Least-squares coefficients, clamped non-negative (a cost is never a saving)."""
-    coef = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64),
-                              torch.tensor(values, dtype=torch.float64).unsqueeze(1)).solution
+    coef = torch.linalg.lstsq(
+        torch.tensor(rows, dtype=torch.float64), torch.tensor(values, dtype=torch.float64).unsqueeze(1)
+    ).solution
     return [max(float(c), 0.0) for c in coef.squeeze(1)]
 
 
@@ -125,8 +128,12 @@ def _fsdp_costs(world: int) -> dict[str, object]:
         fixed.append(step)
         unit[strategy], tensor[strategy] = per_unit, per_tensor
         opt_tensor[strategy] = _fit([(1.0, u * k) for u, k in SHAPES], [added[s][1] for s in SHAPES])[1]
-    return {"unit_cost_s": unit, "tensor_cost_s": tensor, "optimizer_tensor_cost_s": opt_tensor,
-            "step_fixed_s": statistics.median(fixed)}
+    return {
+        "unit_cost_s": unit,
+        "tensor_cost_s": tensor,
+        "optimizer_tensor_cost_s": opt_tensor,
+        "step_fixed_s": statistics.median(fixed),
+    }
 
 
 def measure_rank(_rank: int, world: int, _args: list[str]) -> dict[str, Any]:
@@ -145,4 +152,3 @@ def cached_comm(world_size: int) -> CommProfile:
     """Measured once per host, torch version and world size (what it depends on), then read from disk."""
     path = cache_file(f"comm-v{VERSION}", f"w{world_size}")
     return CommProfile(**cached(path, lambda: run_ranks("osdp_planners.comm_probe:measure_rank", world_size, [])))
-

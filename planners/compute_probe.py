@@ -50,9 +50,14 @@ def _time_pass(model: nn.Module, x: torch.Tensor, device: torch.device) -> tuple
     return t1 - t0, time.perf_counter() - t1
 
 
-def measure_totals(model: nn.Module, seq_len: int, vocab_size: int, device: torch.device,
-                   barrier: Callable[[], object] = lambda: None,
-                   slowest: Callable[[list[float]], list[float]] = lambda t: t) -> dict[str, Any]:
+def measure_totals(
+    model: nn.Module,
+    seq_len: int,
+    vocab_size: int,
+    device: torch.device,
+    barrier: Callable[[], object] = lambda: None,
+    slowest: Callable[[list[float]], list[float]] = lambda t: t,
+) -> dict[str, Any]:
     """Whole-model medians: forward and backward seconds per timing batch, AdamW seconds per parameter.
 
     The batches take turns, so a slow spell of a shared machine does not bend the fitted slope.
@@ -106,7 +111,8 @@ def share_by_flops(totals: dict[str, Any], flops: dict[str, float]) -> MeasuredT
     )
 
 
-def measure_times(build: Callable[[str], nn.Module], seq_len: int, vocab_size: int, device: torch.device,
-                  flops: dict[str, float]) -> MeasuredTimes:
+def measure_times(
+    build: Callable[[str], nn.Module], seq_len: int, vocab_size: int, device: torch.device, flops: dict[str, float]
+) -> MeasuredTimes:
     """Time the model in this process on `device`."""
     return share_by_flops(measure_totals(build(str(device)), seq_len, vocab_size, device), flops)

@@ -102,11 +102,15 @@ class Bound:
         p = self.ctx.profile
         out: dict[str, tuple[object, ...]] = {}
         for u, mods in p.by_unit.items():
-            lins = tuple((lin.param_bytes, lin.out_features, next(i for i, m in enumerate(mods)
-                                                                  if lin.within(m.path)))
-                         for lin in p.linears.get(u, []))
-            out[u] = (p.param_bytes[u], lins, tuple(tuple(sorted(m.variants.items(), key=lambda kv: (
-                kv[0].split, kv[0].checkpoint))) for m in mods))
+            lins = tuple(
+                (lin.param_bytes, lin.out_features, next(i for i, m in enumerate(mods) if lin.within(m.path)))
+                for lin in p.linears.get(u, [])
+            )
+            out[u] = (
+                p.param_bytes[u],
+                lins,
+                tuple(tuple(sorted(m.variants.items(), key=lambda kv: (kv[0].split, kv[0].checkpoint))) for m in mods),
+            )
         return out
 
     def signature(self, unit: str) -> tuple[object, ...]:
@@ -119,10 +123,12 @@ class Bound:
             if unit not in layout.units:
                 continue
             fps = [self.footprint(unit, o) for o in opts]
-            for (a, z), value in ((layout.fw_buffer[unit], max(f.fw_buffer for f in fps)),
-                                  (layout.prefetch[unit], max(f.prefetch for f in fps)),
-                                  (layout.reduce_buffer[unit], max(f.reduce_buffer for f in fps)),
-                                  ((layout.optimizer, layout.optimizer), max(f.optimizer_temp for f in fps))):
+            for (a, z), value in (
+                (layout.fw_buffer[unit], max(f.fw_buffer for f in fps)),
+                (layout.prefetch[unit], max(f.prefetch for f in fps)),
+                (layout.reduce_buffer[unit], max(f.reduce_buffer for f in fps)),
+                ((layout.optimizer, layout.optimizer), max(f.optimizer_temp for f in fps)),
+            ):
                 if value and a <= z:
                     self.neighbours[a] += value
                     self.neighbours[z + 1] -= value
@@ -146,8 +152,10 @@ class Bound:
     def candidates(self, unit: str, options: list[Option], times: list[float]) -> list[Candidate]:
         """The knapsack's view of `unit`'s options (call add_neighbour_buffers first)."""
         if unit not in self.ctx.layout.units:  # the root: what it holds, it holds all step
-            return [Candidate(root_bytes(self.ctx.profile, unit, o, self.settings), 0.0, t)
-                    for o, t in zip(options, times, strict=True)]
+            return [
+                Candidate(root_bytes(self.ctx.profile, unit, o, self.settings), 0.0, t)
+                for o, t in zip(options, times, strict=True)
+            ]
         values, resident = self._slot_matrix(unit, tuple(options))
         own = (values[:, 1::2] + self.context_levels[self.ctx.layout.units[unit].anchors][None, :]).max(axis=1)
         return [Candidate(float(r), float(o - r), t) for r, o, t in zip(resident, own, times, strict=True)]

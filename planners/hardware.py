@@ -35,10 +35,12 @@ PRESETS: dict[str, DevicePreset] = {
         DevicePreset("a100-40gb", "gpu", 40 * GIB, 0.6 * 312e12, 1.3e12, LinkSpec(10e-6, 230e9), LinkSpec(20e-6, 23e9)),
         DevicePreset("a100-80gb", "gpu", 80 * GIB, 0.6 * 312e12, 1.6e12, LinkSpec(10e-6, 230e9), LinkSpec(20e-6, 23e9)),
         DevicePreset("h100-80gb", "gpu", 80 * GIB, 0.6 * 989e12, 2.6e12, LinkSpec(8e-6, 360e9), LinkSpec(15e-6, 46e9)),
-        DevicePreset("h200-141gb", "gpu", 141 * GIB, 0.6 * 989e12, 3.8e12,
-                     LinkSpec(8e-6, 360e9), LinkSpec(15e-6, 46e9)),
-        DevicePreset("rtx-titan-24gb", "gpu", 24 * GIB, 0.6 * 130e12, 0.5e12,
-                     LinkSpec(20e-6, 10e9), LinkSpec(50e-6, 1.2e9)),
+        DevicePreset(
+            "h200-141gb", "gpu", 141 * GIB, 0.6 * 989e12, 3.8e12, LinkSpec(8e-6, 360e9), LinkSpec(15e-6, 46e9)
+        ),
+        DevicePreset(
+            "rtx-titan-24gb", "gpu", 24 * GIB, 0.6 * 130e12, 0.5e12, LinkSpec(20e-6, 10e9), LinkSpec(50e-6, 1.2e9)
+        ),
         # CPU workers with gloo on one host: the figures measured in FSDP2_NOTES (2 ranks, 2 cores).
         DevicePreset("cpu", "cpu", 8 * GIB, 20e9, 5e9, LinkSpec(0.6e-3, 0.6e9), LinkSpec(1e-3, 0.1e9)),
     )

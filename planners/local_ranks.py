@@ -39,8 +39,12 @@ def run_ranks(target: str, world: int, args: list[str]) -> dict[str, Any]:
         # the caller's import path, so a model defined in the caller's modules unpickles there too
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         entry = "from osdp_planners.local_ranks import rank_main; rank_main()"
-        procs = [subprocess.Popen([sys.executable, "-c", entry, target, str(rank), str(world), port, str(out), *args],
-                                  cwd=tmp, env=env) for rank in range(world)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", entry, target, str(rank), str(world), port, str(out), *args], cwd=tmp, env=env
+            )
+            for rank in range(world)
+        ]
         codes = [p.wait(timeout=TIMEOUT_S) for p in procs]
         if any(codes) or not out.is_file():
             raise RuntimeError(f"measuring on {world} local ranks ({target}) failed (exit codes {codes})")

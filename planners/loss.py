@@ -20,8 +20,10 @@ def logits_of(output: Any) -> torch.Tensor:
         return logits
     if isinstance(output, tuple | list) and output and isinstance(output[0], torch.Tensor):
         return output[0]
-    raise TypeError(f"the model's forward returned {type(output).__name__}; return logits [batch, seq, vocab], "
-                    "a tuple starting with them, or an object with a .logits tensor")
+    raise TypeError(
+        f"the model's forward returned {type(output).__name__}; return logits [batch, seq, vocab], "
+        "a tuple starting with them, or an object with a .logits tensor"
+    )
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

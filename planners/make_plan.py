@@ -62,8 +62,14 @@ def build_context(build: Builder, req: PlanRequest, measure_on: str | None) -> C
                     comm = calibrate(comm, overheads, profile, probes, compute_bytes, measured.optimizer_s_per_param)
         else:
             measured = measure_times(build, req.seq_len, req.token_range, torch.device(measure_on), flops)
-    return Context(profile, Topology(req.world_size, req.workers_per_node, req.device, comm), measured,
-                   compute_bytes, req.optimizer, req.usable_memory_bytes)
+    return Context(
+        profile,
+        Topology(req.world_size, req.workers_per_node, req.device, comm),
+        measured,
+        compute_bytes,
+        req.optimizer,
+        req.usable_memory_bytes,
+    )
 
 
 def _manual(model: nn.Module, req: PlanRequest, ctx: Context) -> Choice:
@@ -71,18 +77,34 @@ def _manual(model: nn.Module, req: PlanRequest, ctx: Context) -> Choice:
         raise UserError("planner.plan_file", None, "the manual planner needs a plan file", "set planner.plan_file")
     plan = Plan.from_file(req.plan_file)
     if plan.structure_hash != structure_hash(model):
-        raise UserError("planner.plan_file", req.plan_file, "was made for another model (structure hash "
-                            f"{plan.structure_hash}, this model {structure_hash(model)})", "re-plan for this model")
+        raise UserError(
+            "planner.plan_file",
+            req.plan_file,
+            f"was made for another model (structure hash {plan.structure_hash}, this model {structure_hash(model)})",
+            "re-plan for this model",
+        )
     if plan.world_size != req.world_size:
-        raise UserError("planner.plan_file", req.plan_file, f"is for {plan.world_size} workers, the pool has "
-                            f"{req.world_size}", "match hardware.nodes x workers_per_node to the plan")
+        raise UserError(
+            "planner.plan_file",
+            req.plan_file,
+            f"is for {plan.world_size} workers, the pool has {req.world_size}",
+            "match hardware.nodes x workers_per_node to the plan",
+        )
     units = [u.name for u in ctx.profile.units]
     if sorted(u.name for u in plan.units) != sorted(units):
-        raise UserError("planner.plan_file", req.plan_file, f"names units {[u.name for u in plan.units]}, this "
-                        f"model's units are {units}", "start the file from a plan made for this model")
+        raise UserError(
+            "planner.plan_file",
+            req.plan_file,
+            f"names units {[u.name for u in plan.units]}, this model's units are {units}",
+            "start the file from a plan made for this model",
+        )
     options = {u.name: Option.of(u) for u in plan.units}
-    return Choice(options, plan.micro_batch_size, plan.grad_accum_steps,
-                  evaluate(ctx, options, plan.micro_batch_size, plan.grad_accum_steps))
+    return Choice(
+        options,
+        plan.micro_batch_size,
+        plan.grad_accum_steps,
+        evaluate(ctx, options, plan.micro_batch_size, plan.grad_accum_steps),
+    )
 
 
 def make_plan_for(build: Builder, req: PlanRequest, measure_on: str | None = None) -> PlanResult:
@@ -105,9 +127,12 @@ def _planning_failed(req: PlanRequest, exc: Exception) -> UserError:
     frame = next((f for f in reversed(frames) if f"{os.sep}torch{os.sep}" not in f.filename), None)
     where = f" at {Path(frame.filename).name}:{frame.lineno} ({frame.name})" if frame else ""
     text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
-    return UserError("model", req.model_label, f"the planner could not plan this model: {type(exc).__name__}: "
-                     f"{text}{where}", f"{MODEL_CONTRACT}. If the model satisfies that, report this with the "
-                     "model to the platform's maintainers")
+    return UserError(
+        "model",
+        req.model_label,
+        f"the planner could not plan this model: {type(exc).__name__}: {text}{where}",
+        f"{MODEL_CONTRACT}. If the model satisfies that, report this with the model to the platform's maintainers",
+    )
 
 
 def _make_plan(build: Builder, req: PlanRequest, measure_on: str | None) -> PlanResult:
@@ -120,8 +145,9 @@ def _make_plan(build: Builder, req: PlanRequest, measure_on: str | None) -> Plan
     elif req.planner in {s.value for s in Strategy}:
         choice = best_uniform(ctx, req, Strategy(req.planner))
     else:
-        raise UserError("planner.name", req.planner, "is not a known planner",
-                            "use osdp, manual, ddp, zero2, zero3 or hsdp")
+        raise UserError(
+            "planner.name", req.planner, "is not a known planner", "use osdp, manual, ddp, zero2, zero3 or hsdp"
+        )
     if choice is None:
         raise infeasible(ctx, req)
     return PlanResult(to_plan(model, req, ctx, choice), ctx)

@@ -24,11 +24,14 @@ class MemoryMargin:
     reserve_bytes: int = 0  # fixed: CUDA context, communication buffers
 
     @classmethod
-    def default(cls, accelerator: str, fraction: float | None = None, reserve_bytes: int | None = None
-                ) -> "MemoryMargin":
+    def default(
+        cls, accelerator: str, fraction: float | None = None, reserve_bytes: int | None = None
+    ) -> "MemoryMargin":
         """The device kind's defaults, each overridden where the recipe sets it."""
-        return cls(DEFAULT_FRACTION[accelerator] if fraction is None else fraction,
-                   DEFAULT_RESERVE_BYTES[accelerator] if reserve_bytes is None else reserve_bytes)
+        return cls(
+            DEFAULT_FRACTION[accelerator] if fraction is None else fraction,
+            DEFAULT_RESERVE_BYTES[accelerator] if reserve_bytes is None else reserve_bytes,
+        )
 
     def usable(self, budget: float) -> float:
         """What a plan may occupy under `budget`."""

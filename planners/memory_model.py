@@ -117,8 +117,10 @@ class Layout:
         by_bw = sorted(units, key=lambda u: bw_gather[u])
         prefetch = {u: (bw_gather[by_bw[i - 1]], bw_gather[u] - 1) if i else (1, 0) for i, u in enumerate(by_bw)}
         by_reduce = sorted(units, key=lambda u: reduce[u])
-        reduce_buffer = {u: (reduce[u] + 1, reduce[by_reduce[i + 1]] - 1 if i + 1 < len(by_reduce) else optimizer - 1)
-                         for i, u in enumerate(by_reduce)}
+        reduce_buffer = {
+            u: (reduce[u] + 1, reduce[by_reduce[i + 1]] - 1 if i + 1 < len(by_reduce) else optimizer - 1)
+            for i, u in enumerate(by_reduce)
+        }
         return cls(events, units, loss, optimizer, fw_buffer, prefetch, reduce_buffer)
 
 
@@ -216,8 +218,9 @@ def footprint(profile: ModelProfile, layout: Layout, unit: str, opt: Option, s: 
         if reshards:
             add(slot[ev.backward_gather], slot[ev.backward_gather], rest * ratio)
     last_gather = (piece if split_modules else rest) * ratio if sharded else 0.0
-    return Footprint(tuple(segs), last_gather, rest * ratio if reshards and sharded else 0.0, rest,
-                     shard if s.gpu else 0.0)
+    return Footprint(
+        tuple(segs), last_gather, rest * ratio if reshards and sharded else 0.0, rest, shard if s.gpu else 0.0
+    )
 
 
 def root_bytes(profile: ModelProfile, unit: str, opt: Option, s: Settings) -> float:
@@ -263,16 +266,20 @@ def global_segments(layout: Layout, unit: str, fp: Footprint) -> Iterable[tuple[
     """A footprint's segments as event indices, its buffers at other units' events included."""
     for a, z, value in fp.segments:
         yield (*slot_range(layout, unit, a, z), value)
-    for (a, z), value in ((layout.fw_buffer[unit], fp.fw_buffer), (layout.prefetch[unit], fp.prefetch),
-                          (layout.reduce_buffer[unit], fp.reduce_buffer)):
+    for (a, z), value in (
+        (layout.fw_buffer[unit], fp.fw_buffer),
+        (layout.prefetch[unit], fp.prefetch),
+        (layout.reduce_buffer[unit], fp.reduce_buffer),
+    ):
         if value:
             yield a, z, value
     if fp.optimizer_temp:
         yield layout.optimizer, layout.optimizer, fp.optimizer_temp
 
 
-def unit_segments(profile: ModelProfile, layout: Layout, unit: str, opt: Option, s: Settings,
-                  fp: Footprint | None = None) -> Iterable[tuple[int, int, float]]:
+def unit_segments(
+    profile: ModelProfile, layout: Layout, unit: str, opt: Option, s: Settings, fp: Footprint | None = None
+) -> Iterable[tuple[int, int, float]]:
     """Event ranges (first, last, bytes) where `unit` holds memory under `opt`: what `simulate` adds up
     and the exact search (milp.py) constrains, so the two cannot disagree. The root unit holds its
     bytes all step; `fp` is this unit's footprint under `opt` where the caller has it cached."""
@@ -293,8 +300,15 @@ class Timeline:
         return max(v for _, v in self.events)
 
 
-def simulate(profile: ModelProfile, options: dict[str, Option], batch: int, compute_bytes: int = 4,
-             optimizer: str = "adamw", accum: int = 1, gpu: bool = False) -> Timeline:
+def simulate(
+    profile: ModelProfile,
+    options: dict[str, Option],
+    batch: int,
+    compute_bytes: int = 4,
+    optimizer: str = "adamw",
+    accum: int = 1,
+    gpu: bool = False,
+) -> Timeline:
     """Per-rank bytes at each event of one steady-state step (after the first optimizer step)."""
     layout = layout_of(profile)
     s = Settings(batch, accum, compute_bytes, ADAM_STATES if optimizer == "adamw" else 0, gpu)
@@ -319,5 +333,3 @@ def layout_of(profile: ModelProfile) -> Layout:
         cached = (profile, Layout.of(profile))
         _LAYOUTS[id(profile)] = cached
     return cached[1]
-
-

@@ -51,8 +51,9 @@ class Program:
     run_base: np.ndarray  # per run, the highest base level among its events
 
 
-def build_program(bound: Bound, units: list[str], options: dict[str, list[Option]], costs: list[list[float]]
-                  ) -> Program:
+def build_program(
+    bound: Bound, units: list[str], options: dict[str, list[Option]], costs: list[list[float]]
+) -> Program:
     ctx = bound.ctx
     layout = ctx.layout
     n_events = len(layout.events)
@@ -79,15 +80,16 @@ def build_program(bound: Bound, units: list[str], options: dict[str, list[Option
                     values.append(-value)
     starts = np.unique(np.concatenate([[0], np.asarray(events, dtype=np.int64)]))
     runs = np.searchsorted(starts, np.asarray(events, dtype=np.int64))
-    deltas = coo_array((np.asarray(values, dtype=float), (runs, np.asarray(cols, dtype=np.int64))),
-                       shape=(len(starts), len(cost)))
+    deltas = coo_array(
+        (np.asarray(values, dtype=float), (runs, np.asarray(cols, dtype=np.int64))), shape=(len(starts), len(cost))
+    )
     deltas.sum_duplicates()
-    return Program(np.asarray(cost), np.asarray(owner), np.asarray(option), deltas,
-                   np.maximum.reduceat(bound.base, starts))
+    return Program(
+        np.asarray(cost), np.asarray(owner), np.asarray(option), deltas, np.maximum.reduceat(bound.base, starts)
+    )
 
 
-def _solve(p: Program, n_units: int, limit: float | None, time_limit: float, scale: float
-           ) -> np.ndarray | None:
+def _solve(p: Program, n_units: int, limit: float | None, time_limit: float, scale: float) -> np.ndarray | None:
     """Binaries of the best plan HiGHS finds (optimal unless the time limit stops it): the least cost with
     every run's level <= limit, or (limit None) the least peak, its cost breaking ties."""
     n, k = len(p.cost), len(p.run_base)
@@ -111,14 +113,19 @@ def _solve(p: Program, n_units: int, limit: float | None, time_limit: float, sca
         lower_rows.append(np.full(k, -np.inf))
         upper_rows.append(-p.run_base / scale)
         c = [p.cost * seconds * PEAK_TIE, np.zeros(k), [OBJECTIVE_SCALE]]
-    a = coo_array((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
-                  shape=(k + n_units + extra * k, n + k + extra)).tocsr()
+    a = coo_array(
+        (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
+        shape=(k + n_units + extra * k, n + k + extra),
+    ).tocsr()
     lower = np.concatenate([np.zeros(n), np.full(k + extra, -np.inf)])
     upper = np.concatenate([np.ones(n), levels_upper, np.full(extra, np.inf)])
-    res = milp(np.concatenate(c), integrality=np.concatenate([np.ones(n), np.zeros(k + extra)]),
-               bounds=Bounds(lower, upper),
-               constraints=LinearConstraint(a, np.concatenate(lower_rows), np.concatenate(upper_rows)),
-               options={"time_limit": time_limit, "mip_rel_gap": 0.0, "presolve": True})
+    res = milp(
+        np.concatenate(c),
+        integrality=np.concatenate([np.ones(n), np.zeros(k + extra)]),
+        bounds=Bounds(lower, upper),
+        constraints=LinearConstraint(a, np.concatenate(lower_rows), np.concatenate(upper_rows)),
+        options={"time_limit": time_limit, "mip_rel_gap": 0.0, "presolve": True},
+    )
     return None if res.x is None else res.x[:n]
 
 
@@ -129,8 +136,13 @@ def _choice(p: Program, x: np.ndarray, n_units: int) -> list[int]:
     return choice
 
 
-def least_peak(bound: Bound, units: list[str], options: dict[str, list[Option]], costs: list[list[float]],
-               time_limit: float = TIME_LIMIT_S) -> list[int] | None:
+def least_peak(
+    bound: Bound,
+    units: list[str],
+    options: dict[str, list[Option]],
+    costs: list[list[float]],
+    time_limit: float = TIME_LIMIT_S,
+) -> list[int] | None:
     """The choice with the smallest simulated peak (the cheapest among equal peaks): the least memory
     any plan needs at this batch; None if HiGHS finds nothing in the time limit."""
     program = build_program(bound, units, options, costs)
@@ -138,8 +150,14 @@ def least_peak(bound: Bound, units: list[str], options: dict[str, list[Option]],
     return None if found is None else _choice(program, found, len(units))
 
 
-def solve_exact(bound: Bound, units: list[str], options: dict[str, list[Option]], costs: list[list[float]],
-                limit: float, time_limit: float = TIME_LIMIT_S) -> Exact | None:
+def solve_exact(
+    bound: Bound,
+    units: list[str],
+    options: dict[str, list[Option]],
+    costs: list[list[float]],
+    limit: float,
+    time_limit: float = TIME_LIMIT_S,
+) -> Exact | None:
     """The least-cost plan whose simulated peak is at most `limit`; None if none exists
     (or none was found within the time limit)."""
     started = time.perf_counter()

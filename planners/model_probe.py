@@ -42,16 +42,16 @@ class ModelOverheads:
     optimizer_added_s: dict[str, float]  # to the AdamW step
 
 
-def _overheads(plain: nn.Module, build: Callable[[str], nn.Module], seq_len: int, vocab_size: int, world: int
-               ) -> dict[str, Any]:
+def _overheads(
+    plain: nn.Module, build: Callable[[str], nn.Module], seq_len: int, vocab_size: int, world: int
+) -> dict[str, Any]:
     """What each uniform strategy adds to `plain` (the model as timed, unsharded)."""
     meshes = probe_meshes(world)
     x = torch.randint(0, vocab_size, (TIMING_BATCHES[-1], seq_len))
     out: dict[str, dict[str, float]] = {"step_added_s": {}, "optimizer_added_s": {}}
     for strategy in STRATEGIES:
         sharded = build("cpu")
-        units = [[sharded.get_submodule(m) for m in u.modules] for u in find_units(sharded, seq_len)
-                 if u.name != ROOT]
+        units = [[sharded.get_submodule(m) for m in u.modules] for u in find_units(sharded, seq_len) if u.name != ROOT]
         shard_uniform(sharded, units, strategy, meshes)
         step, opt = added_seconds(plain, sharded, lambda m: forward_loss(m, x).backward())
         out["step_added_s"][strategy], out["optimizer_added_s"][strategy] = step, opt
@@ -67,21 +67,35 @@ def measure_rank(_rank: int, world: int, args: list[str]) -> dict[str, Any]:
     return {"totals": totals, "overheads": _overheads(model, build, seq_len, vocab_size, world) if world > 1 else None}
 
 
-def measure_on_ranks(build: Callable[[str], nn.Module], seq_len: int, vocab_size: int, flops: dict[str, float],
-                     ranks: int, model_key: str) -> tuple[MeasuredTimes, ModelOverheads | None]:
+def measure_on_ranks(
+    build: Callable[[str], nn.Module],
+    seq_len: int,
+    vocab_size: int,
+    flops: dict[str, float],
+    ranks: int,
+    model_key: str,
+) -> tuple[MeasuredTimes, ModelOverheads | None]:
     """Time the model on `ranks` concurrent CPU processes; cached per model (`model_key`), shape and ranks."""
     key = hashlib.sha256(f"{model_key}|{seq_len}|{vocab_size}|{TIMING_BATCHES}".encode()).hexdigest()[:16]
     with tempfile.NamedTemporaryFile(suffix=".pkl") as f:
         cloudpickle.dump((build, seq_len, vocab_size), f)
         f.flush()
-        result = cached(cache_file(f"model-v{VERSION}", f"{key}-r{ranks}"),
-                        lambda: run_ranks("osdp_planners.model_probe:measure_rank", ranks, [f.name]))
+        result = cached(
+            cache_file(f"model-v{VERSION}", f"{key}-r{ranks}"),
+            lambda: run_ranks("osdp_planners.model_probe:measure_rank", ranks, [f.name]),
+        )
     overheads = ModelOverheads(**result["overheads"]) if result["overheads"] else None
     return share_by_flops(result["totals"], flops), overheads
 
 
-def calibrate(comm: CommProfile, overheads: ModelOverheads, profile: ModelProfile, topo: Topology,
-              compute_bytes: int, optimizer_s_per_param: float) -> CommProfile:
+def calibrate(
+    comm: CommProfile,
+    overheads: ModelOverheads,
+    profile: ModelProfile,
+    topo: Topology,
+    compute_bytes: int,
+    optimizer_s_per_param: float,
+) -> CommProfile:
     """The probes' costs (`comm`, in `topo`) rescaled so that each uniform plan of this model adds
     what was measured: FSDP2's per-unit costs by a scale per strategy, the optimizer's cost per
     DTensor from the measured difference less what sharding saves the plain per-parameter update."""
@@ -98,4 +112,3 @@ def calibrate(comm: CommProfile, overheads: ModelOverheads, profile: ModelProfil
         saved = params * optimizer_s_per_param * (1 - 1 / opt.group)
         per_tensor[name] = max((overheads.optimizer_added_s[name] + saved) / tensors, 0.0)
     return dataclasses.replace(comm, scale=scale, optimizer_tensor_cost_s=per_tensor)
-

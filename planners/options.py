@@ -49,9 +49,14 @@ def strategy_choices(world_size: int, workers_per_node: int, nodes: int) -> list
     return choices
 
 
-def unit_options(world_size: int, workers_per_node: int, nodes: int, splittable: bool,
-                 checkpointable: bool) -> list[Option]:
+def unit_options(
+    world_size: int, workers_per_node: int, nodes: int, splittable: bool, checkpointable: bool
+) -> list[Option]:
     splits = SPLITS if splittable else (1,)
     ckpts = (False, True) if checkpointable else (False,)
-    return [Option(s, g, k, c) for s, g in strategy_choices(world_size, workers_per_node, nodes)
-            for k in splits for c in ckpts]
+    return [
+        Option(s, g, k, c)
+        for s, g in strategy_choices(world_size, workers_per_node, nodes)
+        for k in splits
+        for c in ckpts
+    ]

@@ -47,8 +47,9 @@ def batch_candidates(req: PlanRequest) -> list[tuple[int, int]]:
     ws = req.world_size
     if req.global_batch_size is not None:
         per_rank = req.global_batch_size // ws
-        micros = [req.micro_batch_size] if req.micro_batch_size else [
-            b for b in range(1, per_rank + 1) if per_rank % b == 0]
+        micros = (
+            [req.micro_batch_size] if req.micro_batch_size else [b for b in range(1, per_rank + 1) if per_rank % b == 0]
+        )
         return [(b, per_rank // b) for b in micros]
     if req.micro_batch_size is not None:
         return [(req.micro_batch_size, 1)]
@@ -87,8 +88,9 @@ def tie_broken(options: list[Option], times: list[float]) -> list[float]:
     return costs
 
 
-def unit_costs(ctx: Context, bound: Bound, units: list[str], options: dict[str, list[Option]], batch: int,
-               accum: int) -> list[list[float]]:
+def unit_costs(
+    ctx: Context, bound: Bound, units: list[str], options: dict[str, list[Option]], batch: int, accum: int
+) -> list[list[float]]:
     """What both searches minimise, per unit and option: evaluate()'s step time is their sum (without
     the tie-break) plus the plan-independent fixed cost."""
     times: dict[tuple[object, ...], list[float]] = {}
@@ -101,16 +103,18 @@ def unit_costs(ctx: Context, bound: Bound, units: list[str], options: dict[str, 
     return out
 
 
-def _candidates(bound: Bound, units: list[str], options: dict[str, list[Option]], costs: list[list[float]]
-                ) -> list[list[Candidate]]:
+def _candidates(
+    bound: Bound, units: list[str], options: dict[str, list[Option]], costs: list[list[float]]
+) -> list[list[Candidate]]:
     """Every unit's candidates for the knapsack, plus one for the loss and optimizer step's base."""
     out = [bound.candidates(u, options[u], c) for u, c in zip(units, costs, strict=True)]
     out.append([Candidate(0.0, bound.global_transient(), 0.0)])
     return out
 
 
-def search_candidates(ctx: Context, units: list[str], options: dict[str, list[Option]], batch: int, accum: int
-                      ) -> list[list[Candidate]]:
+def search_candidates(
+    ctx: Context, units: list[str], options: dict[str, list[Option]], batch: int, accum: int
+) -> list[list[Candidate]]:
     """The knapsack's instance at one batch (see _candidates)."""
     bound = Bound(ctx, batch, accum)
     bound.add_neighbour_buffers(options)
@@ -125,8 +129,9 @@ def _milp_time_limit(mode: str) -> float:
     return TIME_LIMIT_S if mode == "milp" else AUTO_TIME_LIMIT_S
 
 
-def search_batch(ctx: Context, mode: str, units: list[str], options: dict[str, list[Option]], batch: int,
-                 accum: int) -> list[int] | None:
+def search_batch(
+    ctx: Context, mode: str, units: list[str], options: dict[str, list[Option]], batch: int, accum: int
+) -> list[int] | None:
     """The cheapest choice (an option index per unit) whose memory fits at one batch, or None.
 
     dp: the knapsack over the memory bound (milliseconds at any size, never over the limit, but it
@@ -158,8 +163,12 @@ def search_batch(ctx: Context, mode: str, units: list[str], options: dict[str, l
 
 def unit_option_lists(ctx: Context, req: PlanRequest) -> dict[str, list[Option]]:
     """Every option of every unit the topology and the unit's shape allow."""
-    return {u.name: unit_options(req.world_size, req.workers_per_node, req.nodes, _splittable(ctx, u.name),
-                                 _checkpointable(ctx, u.name)) for u in ctx.profile.units}
+    return {
+        u.name: unit_options(
+            req.world_size, req.workers_per_node, req.nodes, _splittable(ctx, u.name), _checkpointable(ctx, u.name)
+        )
+        for u in ctx.profile.units
+    }
 
 
 def search_osdp(ctx: Context, req: PlanRequest) -> Choice | None:
@@ -233,8 +242,17 @@ def smallest_footprint(ctx: Context, req: PlanRequest) -> Choice:
     plans = [{u: options[u][i] for u, i in zip(units, c, strict=False)} for c in choices]
     for split in SPLITS:
         for ckpt in (False, True):
-            plans.append({u.name: Option(Strategy.ZERO3, req.world_size, split if _splittable(ctx, u.name) else 1,
-                                         ckpt and _checkpointable(ctx, u.name)) for u in ctx.profile.units})
+            plans.append(
+                {
+                    u.name: Option(
+                        Strategy.ZERO3,
+                        req.world_size,
+                        split if _splittable(ctx, u.name) else 1,
+                        ckpt and _checkpointable(ctx, u.name),
+                    )
+                    for u in ctx.profile.units
+                }
+            )
     evaluated = [Choice(p, batch, accum, evaluate(ctx, p, batch, accum)) for p in plans]
     return min(evaluated, key=lambda c: c.evaluation.peak_bytes)
 
@@ -261,9 +279,13 @@ def baselines(ctx: Context, req: PlanRequest) -> dict[str, Baseline]:
             out[strategy.value] = Baseline(fits=False)
         else:
             ev = found.evaluation
-            out[strategy.value] = Baseline(fits=True, micro_batch_size=found.batch,
-                                           peak_memory_bytes=int(ev.peak_bytes), step_time_s=ev.step_time_s,
-                                           throughput_samples_per_s=ev.throughput)
+            out[strategy.value] = Baseline(
+                fits=True,
+                micro_batch_size=found.batch,
+                peak_memory_bytes=int(ev.peak_bytes),
+                step_time_s=ev.step_time_s,
+                throughput_samples_per_s=ev.throughput,
+            )
     return out
 
 
@@ -272,29 +294,44 @@ def infeasible(ctx: Context, req: PlanRequest) -> UserError:
     need = low.evaluation.peak_bytes
     what = "no plan fits" if req.planner in ("osdp", "manual") else f"no {req.planner} plan fits at any batch size"
     advised = req.margin.budget_for(need) / GIB
-    fix = (f"raise the memory limit to at least {advised:.4f} GiB (the footprint plus the "
-           f"{req.margin.describe()} margin), add devices, or shorten data.seq_len")
+    fix = (
+        f"raise the memory limit to at least {advised:.4f} GiB (the footprint plus the "
+        f"{req.margin.describe()} margin), add devices, or shorten data.seq_len"
+    )
     if req.planner not in ("osdp", "manual") and need <= ctx.memory_limit:
         fix = "use planner.name=osdp, which mixes strategies to fit, or raise the memory limit"
     return UserError(
-        "planner.memory_limit_gb", round(req.memory_limit_bytes / GIB, 4),
+        "planner.memory_limit_gb",
+        round(req.memory_limit_bytes / GIB, 4),
         f"{what}: the smallest footprint the planner finds is {need / GIB:.4f} GiB per device "
         f"({describe(low.options)}; micro batch {low.batch}), and {ctx.memory_limit / GIB:.4f} GiB of the "
-        f"budget is usable after the {req.margin.describe()} margin", fix)
+        f"budget is usable after the {req.margin.describe()} margin",
+        fix,
+    )
 
 
 def to_plan(model: nn.Module, req: PlanRequest, ctx: Context, choice: Choice) -> Plan:
     ev = choice.evaluation
     units = [
-        UnitPlan(name=u.name, modules=list(u.modules), strategy=choice.options[u.name].strategy,
-                 shard_group_size=choice.options[u.name].group, split=choice.options[u.name].split,
-                 checkpoint=choice.options[u.name].checkpoint, param_count=u.param_count,
-                 predicted_memory_bytes=int(ev.unit_resident[u.name]), predicted_time_s=ev.unit_time_s[u.name])
+        UnitPlan(
+            name=u.name,
+            modules=list(u.modules),
+            strategy=choice.options[u.name].strategy,
+            shard_group_size=choice.options[u.name].group,
+            split=choice.options[u.name].split,
+            checkpoint=choice.options[u.name].checkpoint,
+            param_count=u.param_count,
+            predicted_memory_bytes=int(ev.unit_resident[u.name]),
+            predicted_time_s=ev.unit_time_s[u.name],
+        )
         for u in ctx.profile.units
     ]
     plan = make_plan(model, req, units, choice.batch, choice.accum)
-    return plan.model_copy(update={
-        "predicted": Predicted(peak_memory_bytes=int(ev.peak_bytes), step_time_s=ev.step_time_s,
-                               throughput_samples_per_s=ev.throughput),
-        "baselines": baselines(ctx, req),
-    })
+    return plan.model_copy(
+        update={
+            "predicted": Predicted(
+                peak_memory_bytes=int(ev.peak_bytes), step_time_s=ev.step_time_s, throughput_samples_per_s=ev.throughput
+            ),
+            "baselines": baselines(ctx, req),
+        }
+    )

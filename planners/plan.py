@@ -84,8 +84,9 @@ class Plan(_Strict):
             raise ValueError("world_size must equal nodes x workers_per_node")
         for u in self.units:
             if self.world_size % u.shard_group_size:
-                raise ValueError(f"unit {u.name}: shard_group_size {u.shard_group_size} does not divide "
-                                 f"world size {self.world_size}")
+                raise ValueError(
+                    f"unit {u.name}: shard_group_size {u.shard_group_size} does not divide world size {self.world_size}"
+                )
             if u.strategy is Strategy.DDP and u.shard_group_size != 1:
                 raise ValueError(f"unit {u.name}: ddp replicates, so shard_group_size must be 1")
             if u.strategy in (Strategy.ZERO2, Strategy.ZERO3) and u.shard_group_size != self.world_size:

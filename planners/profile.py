@@ -82,15 +82,15 @@ class Peak:
         while True:
             envelope.append(current)
             steeper = [(ln.a - current.a) / (current.b - ln.b) for ln in lines if ln.b > current.b]
-            crossings = [(x, ln) for x, ln in zip(steeper, (ln for ln in lines if ln.b > current.b), strict=True)
-                         if x >= batch]
+            crossings = [
+                (x, ln) for x, ln in zip(steeper, (ln for ln in lines if ln.b > current.b), strict=True) if x >= batch
+            ]
             if not crossings:
                 return cls(tuple(envelope))
             batch, current = min(crossings, key=lambda c: (c[0], -c[1].b))
 
 
-def _aligned(first: tuple[list[float], list[str]], second: tuple[list[float], list[str]]
-             ) -> list[tuple[float, float]]:
+def _aligned(first: tuple[list[float], list[str]], second: tuple[list[float], list[str]]) -> list[tuple[float, float]]:
     """Pairs of readings of the same op in two runs. The runs execute the same ops, except where a
     decomposition depends on the shape: then the ops both ran are matched, and each run's largest
     reading of the rest is paired with the other's, so a peak among them is not lost."""
@@ -215,11 +215,10 @@ class _Run:
     loss: tuple[int, int]
 
     def stretch(self, span: tuple[int, int]) -> tuple[list[float], list[str]]:
-        return self.trace[span[0]: span[1] + 1], self.ops[span[0]: span[1] + 1]
+        return self.trace[span[0] : span[1] + 1], self.ops[span[0] : span[1] + 1]
 
 
-def _grad_groups(model: nn.Module, units: list[Unit]) -> tuple[dict[nn.Module, list[nn.Parameter]],
-                                                                  list[nn.Parameter]]:
+def _grad_groups(model: nn.Module, units: list[Unit]) -> tuple[dict[nn.Module, list[nn.Parameter]], list[nn.Parameter]]:
     """FSDP2's gradient groups, keyed by the module whose post-backward reduces them (a unit's
     parameters are reduced at its first module's), and the parameters of split slices: each slice is
     a group of its own, reduced as soon as its backward ends (FSDP2 hooks each slice's own inputs;
@@ -242,8 +241,9 @@ def _grad_groups(model: nn.Module, units: list[Unit]) -> tuple[dict[nn.Module, l
     return groups, slices
 
 
-def _run_once(model: nn.Module, units: list[Unit], modules: dict[str, str], batch: int, seq_len: int,
-              vocab: int) -> _Run:
+def _run_once(
+    model: nn.Module, units: list[Unit], modules: dict[str, str], batch: int, seq_len: int, vocab: int
+) -> _Run:
     groups, slices = _grad_groups(model, units)
     recorder = Recorder({model.get_submodule(p): p for p in modules}, model, groups)
 
@@ -264,9 +264,17 @@ def _run_once(model: nn.Module, units: list[Unit], modules: dict[str, str], batc
     for h in handles:
         h.remove()
     readings = recorder.readings
-    return _Run(recorder.order, {k: dict(r.values) for k, r in readings.items()},
-                {k: dict(r.spans) for k, r in readings.items()}, {k: r.flops for k, r in readings.items()},
-                recorder.outside.flops, recorder.trace, recorder.ops, float(end_of_forward), recorder.regions["loss"])
+    return _Run(
+        recorder.order,
+        {k: dict(r.values) for k, r in readings.items()},
+        {k: dict(r.spans) for k, r in readings.items()},
+        {k: r.flops for k, r in readings.items()},
+        recorder.outside.flops,
+        recorder.trace,
+        recorder.ops,
+        float(end_of_forward),
+        recorder.regions["loss"],
+    )
 
 
 def _signature(block: nn.Module) -> tuple[tuple[str, tuple[int, ...]], ...]:
@@ -280,7 +288,7 @@ def _runs_in_order(list_path: str, n: int, trace: CallTrace, tracked: set[str]) 
     inside = [i for i, p in enumerate(calls) if p.startswith(prefix)]
     if not inside or inside != list(range(inside[0], inside[-1] + 1)):
         return False
-    blocks = [int(calls[i][len(prefix):].split(".")[0]) for i in inside]
+    blocks = [int(calls[i][len(prefix) :].split(".")[0]) for i in inside]
     mods = [calls[i] for i in inside]
     return blocks == sorted(blocks) and len(set(mods)) == len(mods) and set(blocks) == set(range(n))
 
@@ -294,8 +302,13 @@ def _truncate_repeats(model: nn.Module, trace: CallTrace, tracked: set[str]) -> 
     """
     best: tuple[str, nn.ModuleList] | None = None
     for path, mod in model.named_modules():
-        if (isinstance(mod, nn.ModuleList) and len(mod) > KEEP_BLOCKS and len({_signature(b) for b in mod}) == 1
-                and (best is None or len(mod) > len(best[1])) and _runs_in_order(path, len(mod), trace, tracked)):
+        if (
+            isinstance(mod, nn.ModuleList)
+            and len(mod) > KEEP_BLOCKS
+            and len({_signature(b) for b in mod}) == 1
+            and (best is None or len(mod) > len(best[1]))
+            and _runs_in_order(path, len(mod), trace, tracked)
+        ):
             best = (path, mod)
     if best is None:
         return None
@@ -314,8 +327,8 @@ def _full_order(order: list[str], blocks: tuple[str, int] | None) -> list[tuple[
     prefix = f"{list_path}.{KEEP_BLOCKS - 1}"
     tail = [p for p in order if p == prefix or p.startswith(f"{prefix}.")]
     at = order.index(tail[0]) if tail else len(order)
-    repeated = [(f"{list_path}.{i}{p[len(prefix):]}", p) for i in range(KEEP_BLOCKS - 1, n) for p in tail]
-    return [(p, p) for p in order[:at]] + repeated + [(p, p) for p in order[at + len(tail):]]
+    repeated = [(f"{list_path}.{i}{p[len(prefix) :]}", p) for i in range(KEEP_BLOCKS - 1, n) for p in tail]
+    return [(p, p) for p in order[:at]] + repeated + [(p, p) for p in order[at + len(tail) :]]
 
 
 def _apply_variant(model: nn.Module, units: list[Unit], variant: Variant, live: set[str]) -> None:
@@ -343,9 +356,9 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(default)
 
 
-def _variant_runs(build: Callable[[str], nn.Module], seq_len: int, vocab: int, dtype: torch.dtype,
-                  variants: tuple[Variant, ...]
-                  ) -> tuple[list[Unit], dict[str, str], dict[Variant, list[_Run]], tuple[str, int] | None, nn.Module]:
+def _variant_runs(
+    build: Callable[[str], nn.Module], seq_len: int, vocab: int, dtype: torch.dtype, variants: tuple[Variant, ...]
+) -> tuple[list[Unit], dict[str, str], dict[Variant, list[_Run]], tuple[str, int] | None, nn.Module]:
     runs: dict[Variant, list[_Run]] = {}
     units: list[Unit] = []
     unit_of: dict[str, str] = {}
@@ -417,25 +430,36 @@ def _extras(run: _Run) -> tuple[dict[str, float], float, float]:
     return extra, prefix, total
 
 
-def profile_model(build: Callable[[str], nn.Module], seq_len: int, vocab_size: int,
-                  dtype: torch.dtype = torch.float32, variants: tuple[Variant, ...] = VARIANTS) -> ModelProfile:
+def profile_model(
+    build: Callable[[str], nn.Module],
+    seq_len: int,
+    vocab_size: int,
+    dtype: torch.dtype = torch.float32,
+    variants: tuple[Variant, ...] = VARIANTS,
+) -> ModelProfile:
     """Profile `build("cpu")` (constructed inside fake mode, so any size works) under every variant.
 
     `dtype` is the compute dtype: under bf16 mixed precision activations (and the unsharded
     gradients FSDP2 holds) are bf16.
     """
     with FakeTensorMode():
-        units, unit_of, runs, blocks, full = _variant_runs(build, seq_len, vocab_size, dtype,
-                                                           tuple(dict.fromkeys((PLAIN, *variants))))
+        units, unit_of, runs, blocks, full = _variant_runs(
+            build, seq_len, vocab_size, dtype, tuple(dict.fromkeys((PLAIN, *variants)))
+        )
         linears = {u.name: [_linear_shape(full, p) for p in u.linears] for u in units}
         largest = max((4 * p.numel() for p in full.parameters()), default=0)
     plain = runs[PLAIN]
     acts = {v: _activations(rs) for v, rs in runs.items()}
     extras = [_extras(r) for r in plain]
     modules = [
-        ModuleProfile(key, key.partition("#")[0], unit_of[key.partition("#")[0]],
-                      {v: a[profiled] for v, a in acts.items()},
-                      _fit([e[0][profiled] for e in extras]), _fit([r.flops[profiled] for r in plain]))
+        ModuleProfile(
+            key,
+            key.partition("#")[0],
+            unit_of[key.partition("#")[0]],
+            {v: a[profiled] for v, a in acts.items()},
+            _fit([e[0][profiled] for e in extras]),
+            _fit([r.flops[profiled] for r in plain]),
+        )
         for key, profiled in _full_order(plain[0].order, blocks)
     ]
     prefix = _fit([e[1] for e in extras])

@@ -72,8 +72,9 @@ class Recorder:
     as a line in the batch, and a peak as the maximum of those lines (see profile.Peak).
     """
 
-    def __init__(self, paths: dict[nn.Module, str], model: nn.Module,
-                 grad_groups: dict[nn.Module, list[nn.Parameter]]) -> None:
+    def __init__(
+        self, paths: dict[nn.Module, str], model: nn.Module, grad_groups: dict[nn.Module, list[nn.Parameter]]
+    ) -> None:
         self.paths = paths
         self.grad_groups = grad_groups
         self.model = model

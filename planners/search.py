@@ -56,8 +56,9 @@ def _pareto(unit: list[Candidate], idxs: list[int]) -> list[int]:
     return kept
 
 
-def _knapsack(cands: list[list[Candidate]], allowed: list[list[int]], capacity: int, quantum: float
-              ) -> tuple[float, list[int]] | None:
+def _knapsack(
+    cands: list[list[Candidate]], allowed: list[list[int]], capacity: int, quantum: float
+) -> tuple[float, list[int]] | None:
     """Min total time with sum of ceil(resident/quantum) <= capacity; None if nothing fits."""
     inf = np.inf
     dp = np.zeros(capacity + 1)

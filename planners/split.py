@@ -51,16 +51,22 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def _like(value: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """`value` (a full slice) laid out as `target`: a DTensor is cut locally on each rank."""
     if isinstance(target, DTensor):
-        return distribute_tensor(value.to(target.device), target.device_mesh, target.placements,
-                                 src_data_rank=None)
+        return distribute_tensor(value.to(target.device), target.device_mesh, target.placements, src_data_rank=None)
     return value
 
 
 class SplitLinear(nn.Module):
     """y = cat([x @ W_i.T + b_i for each slice i], -1), with W = cat(W_i) the original weight."""
 
-    def __init__(self, in_features: int, out_features: int, k: int, bias: bool = True,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        k: int,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         if not 1 <= k <= out_features:
             raise ValueError(f"split factor {k} must be between 1 and out_features={out_features}")
@@ -127,8 +133,16 @@ def _save_unsplit(module: nn.Module, state_dict: dict[str, Any], prefix: str, _m
             metadata.pop(key, None)
 
 
-def _load_unsplit(module: nn.Module, state_dict: dict[str, Any], prefix: str, _meta: Any, _strict: bool,
-                  _missing: list[str], _unexpected: list[str], error_msgs: list[str]) -> None:
+def _load_unsplit(
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    _meta: Any,
+    _strict: bool,
+    _missing: list[str],
+    _unexpected: list[str],
+    error_msgs: list[str],
+) -> None:
     """Cut `prefix.{weight,bias}` into the slices' entries (overriding any slice-named entries)."""
     assert isinstance(module, SplitLinear)
     for name in _TENSORS:
@@ -138,8 +152,10 @@ def _load_unsplit(module: nn.Module, state_dict: dict[str, Any], prefix: str, _m
             continue  # absent, or a key this module does not have: strict loading reports it
         full = _full(state_dict.pop(key))
         if full.shape[0] != module.out_features:
-            error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(full.shape)}, "
-                              f"the model's has {module.out_features} rows")
+            error_msgs.append(
+                f"size mismatch for {key}: copying a param with shape {tuple(full.shape)}, "
+                f"the model's has {module.out_features} rows"
+            )
             continue
         for i, (piece, target) in enumerate(zip(torch.split(full, module.rows), targets, strict=True)):
             state_dict[f"{prefix}slices.{i}.{name}"] = _like(piece, target)

@@ -58,8 +58,9 @@ class UnitTime:
     total_s: float
 
 
-def compute_seconds(profile: ModelProfile, unit: str, batch: int, topo: Topology,
-                    measured: MeasuredTimes | None) -> tuple[float, float]:
+def compute_seconds(
+    profile: ModelProfile, unit: str, batch: int, topo: Topology, measured: MeasuredTimes | None
+) -> tuple[float, float]:
     """(forward, backward) seconds of one unit at a micro batch: measured if available, else from FLOPs."""
     if measured is not None:
         return measured.forward[unit].at(batch), measured.backward[unit].at(batch)
@@ -84,8 +85,7 @@ def measured_kind(opt: Option) -> str:
     return opt.strategy.value
 
 
-def _measured_comm(comm: CommProfile, full: float, gathered: float, opt: Option, units: list[int], world: int
-                   ) -> float:
+def _measured_comm(comm: CommProfile, full: float, gathered: float, opt: Option, units: list[int], world: int) -> float:
     """Measured FSDP2 cost of each of its units and tensors, plus the bytes at the measured bandwidths,
     scaled to the model where it was calibrated (see model_probe)."""
     g = opt.group
@@ -121,8 +121,16 @@ def comm_seconds(profile: ModelProfile, unit: str, opt: Option, topo: Topology, 
     return t
 
 
-def unit_time(profile: ModelProfile, unit: str, opt: Option, batch: int, topo: Topology,
-              measured: MeasuredTimes | None, compute_bytes: int, overlap: bool) -> UnitTime:
+def unit_time(
+    profile: ModelProfile,
+    unit: str,
+    opt: Option,
+    batch: int,
+    topo: Topology,
+    measured: MeasuredTimes | None,
+    compute_bytes: int,
+    overlap: bool,
+) -> UnitTime:
     fwd, bwd = compute_seconds(profile, unit, batch, topo, measured)
     compute = fwd + bwd + (fwd if opt.checkpoint else 0.0)
     comm = comm_seconds(profile, unit, opt, topo, compute_bytes)
@@ -130,8 +138,9 @@ def unit_time(profile: ModelProfile, unit: str, opt: Option, batch: int, topo: T
     return UnitTime(compute, comm, total)
 
 
-def optimizer_seconds(profile: ModelProfile, options: dict[str, Option], topo: Topology,
-                      measured: MeasuredTimes | None) -> float:
+def optimizer_seconds(
+    profile: ModelProfile, options: dict[str, Option], topo: Topology, measured: MeasuredTimes | None
+) -> float:
     """AdamW touches each owned parameter a fixed number of times: memory-bound, linear in the shard.
     Where measured, each DTensor adds its dispatch cost."""
     if measured:

@@ -28,9 +28,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 __all__ = [
-    "DataDependentOutputException", "DynamicOutputShapeException", "FakeTensor", "FakeTensorMode", "MemTracker",
-    "ModTracker", "TorchDispatchMode", "checkpoint", "composable_registry", "detect_fake_mode", "register_fake_backend",
-    "reshards_after_forward", "tree_leaves",
+    "DataDependentOutputException",
+    "DynamicOutputShapeException",
+    "FakeTensor",
+    "FakeTensorMode",
+    "MemTracker",
+    "ModTracker",
+    "TorchDispatchMode",
+    "checkpoint",
+    "composable_registry",
+    "detect_fake_mode",
+    "register_fake_backend",
+    "reshards_after_forward",
+    "tree_leaves",
 ]
 
 

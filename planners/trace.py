@@ -29,9 +29,11 @@ from osdp_planners.torch_private import (
 
 ROOT = "<root>"
 TRACE_BATCH = 2
-MODEL_CONTRACT = ("forward(tokens) must take int64 tokens [batch, seq] and return logits [batch, seq, vocab] (or an "
-                  "object with .logits), run on fake tensors (no .item(), no branches on tensor values) and create "
-                  "tensors on the input's device; see the README's 'Your own model'")
+MODEL_CONTRACT = (
+    "forward(tokens) must take int64 tokens [batch, seq] and return logits [batch, seq, vocab] (or an "
+    "object with .logits), run on fake tensors (no .item(), no branches on tensor values) and create "
+    "tensors on the input's device; see the README's 'Your own model'"
+)
 
 
 @dataclass
@@ -117,8 +119,10 @@ def trace_calls(model: nn.Module, seq_len: int, vocab_size: int | None = None) -
     handles = [h for m in model.modules() for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
     try:
         with _restored(model), torch.random.fork_rng(devices=[]), mode:
-            fakes = {n: torch.empty(t.shape, dtype=t.dtype, device=device, requires_grad=t.requires_grad)
-                     for n, t in [*model.named_parameters(), *model.named_buffers()]}
+            fakes = {
+                n: torch.empty(t.shape, dtype=t.dtype, device=device, requires_grad=t.requires_grad)
+                for n, t in [*model.named_parameters(), *model.named_buffers()]
+            }
             names = {id(fakes[n]): n for n, _ in model.named_parameters()}
             tokens = torch.zeros(TRACE_BATCH, seq_len, dtype=torch.long, device=device)
             try:
@@ -129,19 +133,30 @@ def trace_calls(model: nn.Module, seq_len: int, vocab_size: int | None = None) -
                 text = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
                 if isinstance(exc, DataDependentOutputException | DynamicOutputShapeException):
                     text += ": it reads a tensor's value, which the planner's fake tensors do not have"
-                raise _fail(model, where, f"forward raised {type(exc).__name__}: {text} (planner tracing "
-                                          f"forward(tokens [{TRACE_BATCH}, {seq_len}]) on fake tensors)") from exc
+                raise _fail(
+                    model,
+                    where,
+                    f"forward raised {type(exc).__name__}: {text} (planner tracing "
+                    f"forward(tokens [{TRACE_BATCH}, {seq_len}]) on fake tensors)",
+                ) from exc
             try:
                 logits = logits_of(out)
             except TypeError as exc:
                 raise _fail(model, "", str(exc)) from None
             shape = tuple(logits.shape)
             if len(shape) != 3 or shape[:2] != (TRACE_BATCH, seq_len):
-                raise _fail(model, "", f"forward(tokens [{TRACE_BATCH}, {seq_len}]) returned logits of shape {shape}, "
-                                       f"expected [{TRACE_BATCH}, {seq_len}, vocab]")
+                raise _fail(
+                    model,
+                    "",
+                    f"forward(tokens [{TRACE_BATCH}, {seq_len}]) returned logits of shape {shape}, "
+                    f"expected [{TRACE_BATCH}, {seq_len}, vocab]",
+                )
             if vocab_size is not None and shape[2] < vocab_size:
-                raise _fail(model, "", f"the logits cover {shape[2]} tokens, the data has {vocab_size} "
-                                       f"(token ids 0..{vocab_size - 1})")
+                raise _fail(
+                    model,
+                    "",
+                    f"the logits cover {shape[2]} tokens, the data has {vocab_size} (token ids 0..{vocab_size - 1})",
+                )
     finally:
         for h in handles:
             h.remove()

@@ -18,14 +18,14 @@ def group_size(strategy: Strategy, req: PlanRequest) -> int:
 def unit_plans(units: list[Unit], strategy: Strategy, req: PlanRequest) -> list[UnitPlan]:
     g = group_size(strategy, req)
     return [
-        UnitPlan(name=u.name, modules=list(u.modules), strategy=strategy, shard_group_size=g,
-                 param_count=u.param_count)
+        UnitPlan(name=u.name, modules=list(u.modules), strategy=strategy, shard_group_size=g, param_count=u.param_count)
         for u in units
     ]
 
 
-def make_plan(model: nn.Module, req: PlanRequest, units: list[UnitPlan],
-              micro_batch_size: int, grad_accum_steps: int) -> Plan:
+def make_plan(
+    model: nn.Module, req: PlanRequest, units: list[UnitPlan], micro_batch_size: int, grad_accum_steps: int
+) -> Plan:
     """Assemble the plan document for `model` (predictions filled in by the cost model, if any)."""
     return Plan(
         planner=req.planner,
@@ -39,13 +39,17 @@ def make_plan(model: nn.Module, req: PlanRequest, units: list[UnitPlan],
         seq_len=req.seq_len,
         precision=req.precision,
         memory_limit_bytes=req.memory_limit_bytes,
-        memory_margin=Margin(fraction=req.margin.fraction, reserve_bytes=req.margin.reserve_bytes,
-                             usable_bytes=int(req.usable_memory_bytes)),
+        memory_margin=Margin(
+            fraction=req.margin.fraction,
+            reserve_bytes=req.margin.reserve_bytes,
+            usable_bytes=int(req.usable_memory_bytes),
+        ),
         units=units,
     )
 
 
-def uniform_plan(model: nn.Module, req: PlanRequest, strategy: Strategy, micro_batch_size: int,
-                 grad_accum_steps: int) -> Plan:
+def uniform_plan(
+    model: nn.Module, req: PlanRequest, strategy: Strategy, micro_batch_size: int, grad_accum_steps: int
+) -> Plan:
     units = unit_plans(find_units(model, req.seq_len), strategy, req)
     return make_plan(model, req, units, micro_batch_size, grad_accum_steps)

@@ -108,8 +108,7 @@ class _Walk:
         if _list_like(module):
             for block_path, block in self.children(module):
                 self.block(block, block_path)
-        elif not _has_forward(module) or not self.runs(module) or (not module._parameters
-                                                                   and _holds_container(module)):
+        elif not _has_forward(module) or not self.runs(module) or (not module._parameters and _holds_container(module)):
             for child_path, child in self.children(module):
                 self.outer(child, child_path)
         else:
@@ -160,8 +159,11 @@ class _Assignment:
 
         def holder(module: nn.Module) -> set[int | None]:
             above = [(gi, path) for gi, path in alive if id(module) in self.below[path]]
-            inner = {gi for gi, path in above
-                     if not any(other != path and self.top[other] in self.below[path] for _, other in above)}
+            inner = {
+                gi
+                for gi, path in above
+                if not any(other != path and self.top[other] in self.below[path] for _, other in above)
+            }
             return set(inner) if inner else {None}
 
         cache: dict[int, set[int | None]] = {}
@@ -205,18 +207,24 @@ class _Assignment:
 
     def used_outside(self, group: list[_Candidate], params: list[nn.Parameter]) -> bool:
         paths = {c.path for c in group}
-        return any(not paths.intersection(stack) for p in params
-                   for stack in self.trace.uses.get(self.canonical[id(p)], ()))
+        return any(
+            not paths.intersection(stack) for p in params for stack in self.trace.uses.get(self.canonical[id(p)], ())
+        )
 
     def settle(self) -> None:
         """Merge ties, then drop groups FSDP2 could not run as units, until nothing changes."""
         while True:
             self.merge_ties()
             owned = self.owned()
-            bad = [gi for gi, g in enumerate(self.groups)
-                   if not owned[gi] or not self.hookable(g) or self.used_outside(g, owned[gi])
-                   or (len(g) > 1 and not self.runs_once_each(g))
-                   or (len(g) == 1 and g[0].block is None and _vectors_only(owned[gi]))]
+            bad = [
+                gi
+                for gi, g in enumerate(self.groups)
+                if not owned[gi]
+                or not self.hookable(g)
+                or self.used_outside(g, owned[gi])
+                or (len(g) > 1 and not self.runs_once_each(g))
+                or (len(g) == 1 and g[0].block is None and _vectors_only(owned[gi]))
+            ]
             if not bad:
                 return
             for gi in bad:
@@ -226,16 +234,18 @@ class _Assignment:
     def join_vector_holders(self) -> None:
         """A block's child holding only vectors joins the sibling that runs next, else the one before it."""
         owned = self.owned()
-        single = [gi for gi, g in enumerate(self.groups)
-                  if len(g) == 1 and g[0].block is not None and self.runs_once_each(g)]
+        single = [
+            gi for gi, g in enumerate(self.groups) if len(g) == 1 and g[0].block is not None and self.runs_once_each(g)
+        ]
         targets = [gi for gi in single if not _vectors_only(owned[gi])]
         for gi in single:
             if gi in targets:
                 continue
             c = self.groups[gi][0]
             here = self.trace.first[c.path]
-            siblings = [(self.trace.first[self.groups[t][0].path], t) for t in targets
-                        if self.groups[t][0].block == c.block]
+            siblings = [
+                (self.trace.first[self.groups[t][0].path], t) for t in targets if self.groups[t][0].block == c.block
+            ]
             after = [s for s in siblings if s[0] > here]
             before = [s for s in siblings if s[0] < here]
             target = min(after)[1] if after else (max(before)[1] if before else None)
@@ -256,8 +266,15 @@ def units_of(model: nn.Module, trace: CallTrace) -> list[Unit]:
     for gi in order:
         mods = [c.path for c in sorted(assignment.groups[gi], key=lambda c: c.index)]
         params = owned[gi]
-        units.append(Unit(_unit_name(mods), tuple(mods), sum(p.numel() for p in params),
-                          _splittable(model, trace, mods, {id(p) for p in params}, assignment), len(params)))
+        units.append(
+            Unit(
+                _unit_name(mods),
+                tuple(mods),
+                sum(p.numel() for p in params),
+                _splittable(model, trace, mods, {id(p) for p in params}, assignment),
+                len(params),
+            )
+        )
     claimed = {id(p) for ps in owned for p in ps}
     leftover = [p for p in model.parameters() if id(p) not in claimed]
     if leftover:
@@ -268,12 +285,13 @@ def units_of(model: nn.Module, trace: CallTrace) -> list[Unit]:
 def _unit_name(mods: list[str]) -> str:
     """The modules joined by '+', siblings of the first without their common parent: `h.0.ln_1+attn`."""
     parent = mods[0].rpartition(".")[0]
-    rest = [m[len(parent) + 1:] if parent and m.rpartition(".")[0] == parent else m for m in mods[1:]]
+    rest = [m[len(parent) + 1 :] if parent and m.rpartition(".")[0] == parent else m for m in mods[1:]]
     return "+".join([mods[0], *rest])
 
 
-def _splittable(model: nn.Module, trace: CallTrace, mods: list[str], owned: set[int],
-                assignment: _Assignment) -> tuple[str, ...]:
+def _splittable(
+    model: nn.Module, trace: CallTrace, mods: list[str], owned: set[int], assignment: _Assignment
+) -> tuple[str, ...]:
     """Plain Linears of the unit that run and whose own, untied tensors only their forward uses."""
     out = []
     for m in mods:

@@ -39,8 +39,9 @@ class Meshes:
             if g == self.world_size:
                 mesh = init_device_mesh(self.device_type, (g,), mesh_dim_names=("shard",))
             else:
-                mesh = init_device_mesh(self.device_type, (self.world_size // g, g),
-                                        mesh_dim_names=("replicate", "shard"))
+                mesh = init_device_mesh(
+                    self.device_type, (self.world_size // g, g), mesh_dim_names=("replicate", "shard")
+                )
             self._cache[g] = mesh
         return self._cache[g]
 
@@ -77,8 +78,10 @@ def apply_plan(model: nn.Module, plan: Plan, device_type: str, meshes: Meshes | 
         )
     linears = {u.name: u.linears for u in find_units(model, plan.seq_len)}
     if set(linears) != {u.name for u in plan.units}:
-        raise PlanMismatch(f"plan units {sorted(u.name for u in plan.units)} are not this model's units "
-                           f"{sorted(linears)}: re-plan for this model")
+        raise PlanMismatch(
+            f"plan units {sorted(u.name for u in plan.units)} are not this model's units "
+            f"{sorted(linears)}: re-plan for this model"
+        )
     meshes = meshes or Meshes(device_type, plan.world_size, {})
     mp = _policy(plan.precision)
     root_unit = None
@@ -86,8 +89,11 @@ def apply_plan(model: nn.Module, plan: Plan, device_type: str, meshes: Meshes | 
         if unit.modules == [""]:
             root_unit = unit
             continue
-        kwargs: _ShardArgs = {"mesh": meshes.for_group(unit.shard_group_size),
-                              "reshard_after_forward": _reshard(unit), "mp_policy": mp}
+        kwargs: _ShardArgs = {
+            "mesh": meshes.for_group(unit.shard_group_size),
+            "reshard_after_forward": _reshard(unit),
+            "mp_policy": mp,
+        }
         if unit.split > 1:
             for path in linears[unit.name]:
                 split = split_linear_in(model, path, unit.split)
@@ -112,8 +118,9 @@ def _unsharded(modules: list[nn.Module]) -> list[nn.Parameter]:
     return [p for m in modules for p in m.parameters() if not isinstance(p, DTensor)]
 
 
-def _check_sharding(modules: list[nn.Module], unit: UnitPlan, world_size: int, what: str,
-                    reshard: bool | None = None) -> None:
+def _check_sharding(
+    modules: list[nn.Module], unit: UnitPlan, world_size: int, what: str, reshard: bool | None = None
+) -> None:
     """One fully_shard call over `modules`: its parameters' mesh and its resharding match the unit."""
     if not all(isinstance(m, FSDPModule) for m in modules):
         raise PlanMismatch(f"{what} is not sharded by FSDP2")
@@ -124,16 +131,19 @@ def _check_sharding(modules: list[nn.Module], unit: UnitPlan, world_size: int, w
     shard = mesh.size(mesh.ndim - 1)
     replicate = mesh.size(0) if mesh.ndim == 2 else 1
     if (shard, replicate) != (unit.shard_group_size, world_size // unit.shard_group_size):
-        raise PlanMismatch(f"{what}: mesh shards over {shard} x replicates {replicate}, plan says "
-                           f"{unit.strategy} with group {unit.shard_group_size}")
+        raise PlanMismatch(
+            f"{what}: mesh shards over {shard} x replicates {replicate}, plan says "
+            f"{unit.strategy} with group {unit.shard_group_size}"
+        )
     if reshards_after_forward(modules[0]) != (_reshard(unit) if reshard is None else reshard):
         raise PlanMismatch(f"{what}: reshard_after_forward does not match strategy {unit.strategy}")
 
 
 def _own_params(module: nn.Module) -> list[nn.Parameter]:
     """Parameters of `module` that no FSDP2 unit nested in it (slices, inner units) holds."""
-    inner = {id(p) for sub in module.modules() if sub is not module and isinstance(sub, FSDPModule)
-             for p in sub.parameters()}
+    inner = {
+        id(p) for sub in module.modules() if sub is not module and isinstance(sub, FSDPModule) for p in sub.parameters()
+    }
     return [p for p in module.parameters() if id(p) not in inner]
 
 
@@ -157,8 +167,9 @@ def verify_applied(model: nn.Module, plan: Plan, linears: dict[str, tuple[str, .
         for module in modules:
             has_ckpt = "checkpoint" in (composable_registry(module) or {})
             if has_ckpt != unit.checkpoint:
-                raise PlanMismatch(f"unit {unit.name}: activation checkpointing is {has_ckpt}, plan says "
-                                   f"{unit.checkpoint}")
+                raise PlanMismatch(
+                    f"unit {unit.name}: activation checkpointing is {has_ckpt}, plan says {unit.checkpoint}"
+                )
         for path in linears[unit.name]:
             live = model.get_submodule(path)
             slices = len(live.slices) if isinstance(live, SplitLinear) else 1

@@ -114,8 +114,9 @@ def optim_unsplit(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
         if parts:
             entries[name] = {k: torch.cat([p[k] for p in parts]) if _is_rows(v) else v for k, v in parts[0].items()}
     renamed = {s: name for name, (slices, _) in splits.items() for s in slices}
-    groups = [{**g, "params": list(dict.fromkeys(renamed.get(p, p) for p in g["params"]))}
-              for g in state["param_groups"]]
+    groups = [
+        {**g, "params": list(dict.fromkeys(renamed.get(p, p) for p in g["params"]))} for g in state["param_groups"]
+    ]
     return {"state": entries, "param_groups": groups}
 
 
@@ -128,8 +129,10 @@ def optim_split(model: nn.Module, state: dict[str, Any], live: dict[str, Any]) -
             continue
         joined = entries.pop(name)
         for i, s in enumerate(slices):
-            entries[s] = {k: _rows_like(v, module.rows, i, live["state"][s][k]) if _is_rows(v) else _own(v)
-                          for k, v in joined.items()}
+            entries[s] = {
+                k: _rows_like(v, module.rows, i, live["state"][s][k]) if _is_rows(v) else _own(v)
+                for k, v in joined.items()
+            }
     expand = {name: slices for name, (slices, _) in splits.items()}
     groups = [{**g, "params": [q for p in g["params"] for q in expand.get(p, [p])]} for g in state["param_groups"]]
     return {"state": entries, "param_groups": groups}
@@ -151,12 +154,16 @@ def _rows_like(value: torch.Tensor, rows: list[int], index: int, target: torch.T
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer, step: torch.Tensor) -> dict[str, Any]:
     """What a checkpoint holds, all in unsplit names, so it loads under any split factor (`load_state`)."""
-    return {"model": get_model_state_dict(model),
-            "optim": optim_unsplit(model, get_optimizer_state_dict(model, optimizer)), "progress": {"step": step}}
+    return {
+        "model": get_model_state_dict(model),
+        "optim": optim_unsplit(model, get_optimizer_state_dict(model, optimizer)),
+        "progress": {"step": step},
+    }
 
 
-def save_and_report(model: nn.Module, optimizer: torch.optim.Optimizer, next_step: int,
-                    metrics: dict[str, float], root: str) -> str | None:
+def save_and_report(
+    model: nn.Module, optimizer: torch.optim.Optimizer, next_step: int, metrics: dict[str, float], root: str
+) -> str | None:
     """Write this rank's shards, report them to Ray Train; rank 0 returns the stored folder (a path or URI
     under `root`, Ray Train's storage_path) once every rank's files are there."""
     import ray.train
@@ -204,17 +211,28 @@ def find_resume_point(recipe: Recipe, run_id: str) -> ResumePoint:
     """Look up the last checkpoint of MLflow run `run_id` in the recipe's tracking store (before Ray starts)."""
     recorded = recorded_checkpoint(recipe.tracking.resolved_uri, run_id)
     if recorded is None:
-        raise UserError("--resume", run_id, "this run wrote no checkpoint",
-                        "resume a run submitted with train.checkpoint_every > 0 that got past its first "
-                        "checkpoint, or submit without --resume")
+        raise UserError(
+            "--resume",
+            run_id,
+            "this run wrote no checkpoint",
+            "resume a run submitted with train.checkpoint_every > 0 that got past its first "
+            "checkpoint, or submit without --resume",
+        )
     if not _is_complete(recorded.path):
-        raise UserError("--resume", run_id, f"its checkpoint folder {recorded.path} is gone or incomplete",
-                        "restore the checkpoint folder that run wrote (train.checkpoint_dir, default runs/), "
-                        "or submit without --resume")
+        raise UserError(
+            "--resume",
+            run_id,
+            f"its checkpoint folder {recorded.path} is gone or incomplete",
+            "restore the checkpoint folder that run wrote (train.checkpoint_dir, default runs/), "
+            "or submit without --resume",
+        )
     if recipe.train.steps <= recorded.step:
-        raise UserError("train.steps", recipe.train.steps,
-                        f"the checkpoint of run {run_id} is already at step {recorded.step}",
-                        f"set train.steps above {recorded.step} to train further")
+        raise UserError(
+            "train.steps",
+            recipe.train.steps,
+            f"the checkpoint of run {run_id} is already at step {recorded.step}",
+            f"set train.steps above {recorded.step} to train further",
+        )
     return ResumePoint(run_id, recorded.path, recorded.step, recorded.plan)
 
 
@@ -222,7 +240,10 @@ def check_resumable(point: ResumePoint, recipe: Recipe, plan: Plan) -> None:
     """Refuse before training what the checkpoint cannot load into: another model. Any plan, worker count
     and split factors load it (model and optimizer state are saved under unsplit names)."""
     if point.plan.structure_hash != plan.structure_hash:
-        raise UserError("model", recipe.model.label,
-                        f"run {point.run_id} trained a model with structure hash {point.plan.structure_hash}, "
-                        f"this recipe's model has {plan.structure_hash}",
-                        "resume with the same model section as the checkpointed run")
+        raise UserError(
+            "model",
+            recipe.model.label,
+            f"run {point.run_id} trained a model with structure hash {point.plan.structure_hash}, "
+            f"this recipe's model has {plan.structure_hash}",
+            "resume with the same model section as the checkpointed run",
+        )

@@ -24,37 +24,55 @@ FORMATS = ("table", "json", "markdown")
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="osdp-platform", description=__doc__)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--verbose", action="store_true", help="let Ray's logs, the workers' output and "
-                                                               "warnings through to the terminal")
+    common.add_argument(
+        "--verbose",
+        action="store_true",
+        help="let Ray's logs, the workers' output and warnings through to the terminal",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, text in (("validate", "check a recipe and print it resolved; --explain: what every key means"),
-                       ("plan", "plan a recipe without training (no GPU, no Ray workers needed)"),
-                       ("submit", "plan and train a recipe on Ray, tracked in MLflow"),
-                       ("sweep", "plan every cell of a grid (key=a,b,...), train those that fit, compare them")):
+    for name, text in (
+        ("validate", "check a recipe and print it resolved; --explain: what every key means"),
+        ("plan", "plan a recipe without training (no GPU, no Ray workers needed)"),
+        ("submit", "plan and train a recipe on Ray, tracked in MLflow"),
+        ("sweep", "plan every cell of a grid (key=a,b,...), train those that fit, compare them"),
+    ):
         cmd = sub.add_parser(name, help=text, parents=[common])
         cmd.add_argument("recipe", nargs="?" if name == "validate" else None, help="recipe YAML file")
         cmd.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=5")
-    sub.choices["validate"].add_argument("--explain", action="store_true",
-                                         help="print every recipe key with its type, default and meaning (and, "
-                                              "given a recipe, its value there)")
+    sub.choices["validate"].add_argument(
+        "--explain",
+        action="store_true",
+        help="print every recipe key with its type, default and meaning (and, given a recipe, its value there)",
+    )
     plan = sub.choices["plan"]
     plan.add_argument("--out", help="write the plan JSON here (default: print it)")
-    plan.add_argument("--png", help="write the predicted memory timeline here (default: plan.png beside --out, "
-                                    "or none)")
-    plan.add_argument("--track", action="store_true", help="also record the plan as an MLflow run (no training), "
-                                                           "to compare plans before spending GPU time")
+    plan.add_argument(
+        "--png", help="write the predicted memory timeline here (default: plan.png beside --out, or none)"
+    )
+    plan.add_argument(
+        "--track",
+        action="store_true",
+        help="also record the plan as an MLflow run (no training), to compare plans before spending GPU time",
+    )
     for name in ("submit", "sweep"):
-        sub.choices[name].add_argument("--address", help="Ray cluster: http://HEAD:8265 runs the command as a job "
-                                                         "through the Jobs API (the current folder is shipped as "
-                                                         "its working directory), ray://HEAD:10001 connects as a "
-                                                         "Ray client, HOST:6379 joins from inside the cluster "
-                                                         "(default: $RAY_ADDRESS, else a local Ray)")
-    sub.choices["submit"].add_argument("--resume", metavar="RUN_ID",
-                                       help="continue from the last checkpoint of this earlier run (MLflow run "
-                                            "id), as a new run; the plan, worker count and split factors may differ")
+        sub.choices[name].add_argument(
+            "--address",
+            help="Ray cluster: http://HEAD:8265 runs the command as a job "
+            "through the Jobs API (the current folder is shipped as "
+            "its working directory), ray://HEAD:10001 connects as a "
+            "Ray client, HOST:6379 joins from inside the cluster "
+            "(default: $RAY_ADDRESS, else a local Ray)",
+        )
+    sub.choices["submit"].add_argument(
+        "--resume",
+        metavar="RUN_ID",
+        help="continue from the last checkpoint of this earlier run (MLflow run "
+        "id), as a new run; the plan, worker count and split factors may differ",
+    )
     sub.choices["sweep"].add_argument("--format", choices=FORMATS, default="table", help="of the comparison")
-    cmp = sub.add_parser("compare", help="runs side by side: predicted and measured throughput and memory",
-                         parents=[common])
+    cmp = sub.add_parser(
+        "compare", help="runs side by side: predicted and measured throughput and memory", parents=[common]
+    )
     cmp.add_argument("run_ids", nargs="*", metavar="RUN_ID", help="MLflow run ids (default: --experiment's runs)")
     cmp.add_argument("--experiment", help="compare every plan and train run of this MLflow experiment")
     cmp.add_argument("--format", choices=FORMATS, default="table")
@@ -63,11 +81,13 @@ def _parser() -> argparse.ArgumentParser:
     ui.add_argument("--port", type=int, default=5000)
     for cmd in (cmp, ui):
         cmd.add_argument("--uri", help="tracking store (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
-    sync = sub.add_parser("sync", help="upload the MLflow writes a run kept locally while its server was away",
-                          parents=[common])
+    sync = sub.add_parser(
+        "sync", help="upload the MLflow writes a run kept locally while its server was away", parents=[common]
+    )
     sync.add_argument("folder", help="the folder the run's warning named (mlflow-pending/<run id>)")
-    prepare = sub.add_parser("prepare", help="tokenize text files into token files (data.source: token_files)",
-                             parents=[common])
+    prepare = sub.add_parser(
+        "prepare", help="tokenize text files into token files (data.source: token_files)", parents=[common]
+    )
     prepare.add_argument("files", nargs="+", help="text files, one token file each")
     prepare.add_argument("--out", required=True, help="folder for the token files and their tokens.json")
     prepare.add_argument("--tokenizer", default="bytes", help="bytes, bpe (shipped) or a tokenizers JSON file")
@@ -86,8 +106,23 @@ def _ui(uri: str, host: str, port: int, console: Console) -> int:
         return 0
     console.print(f"MLflow UI on {uri}: http://{host}:{port} (Ctrl-C stops it)", markup=False)
     sys.stdout.flush()
-    os.execv(sys.executable, [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri,
-                              "--host", host, "--port", str(port), "--workers", "1"])
+    os.execv(
+        sys.executable,
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--backend-store-uri",
+            uri,
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+        ],
+    )
     return 0
 
 
@@ -139,9 +174,12 @@ def _prepare(args: argparse.Namespace, console: Console) -> int:
     from osdp_platform.data import TokenFiles
 
     prepared = TokenFiles.prepare([Path(f) for f in args.files], args.tokenizer, Path(args.out))
-    console.print(f"{len(prepared.files)} token file(s) ({prepared.dtype}, vocab {prepared.vocab_size}, tokenizer "
-                  f"{prepared.tokenizer}) in {prepared.folder}: use data.source=token_files "
-                  f"data.path={prepared.folder}", markup=False)
+    console.print(
+        f"{len(prepared.files)} token file(s) ({prepared.dtype}, vocab {prepared.vocab_size}, tokenizer "
+        f"{prepared.tokenizer}) in {prepared.folder}: use data.source=token_files "
+        f"data.path={prepared.folder}",
+        markup=False,
+    )
     return 0
 
 

@@ -35,7 +35,8 @@ def check_local_devices(recipe: Recipe, address: str | None) -> None:
     present = torch.cuda.device_count()
     if present < hw.world_size:
         raise UserError(
-            "hardware.accelerator", "gpu",
+            "hardware.accelerator",
+            "gpu",
             f"the pool needs {hw.world_size} GPUs ({hw.nodes} node(s) x {hw.workers_per_node}) but this machine "
             f"has {present}",
             "set hardware.accelerator=cpu hardware.preset=cpu, or submit to a GPU cluster with --address",
@@ -60,8 +61,14 @@ def connect(recipe: Recipe, address: str | None, verbose: bool = True) -> None:
     # A local run is its own pool: this machine advertises the pool resource for every worker.
     pool = {name: float(hw.world_size) for name in pool_request(hw)}
     # "local": a new Ray of our own, never a cluster another `ray start` on this machine left behind
-    ray.init(address="local", num_cpus=cpus, resources=pool, include_dashboard=False, log_to_driver=verbose,
-             logging_level=level)
+    ray.init(
+        address="local",
+        num_cpus=cpus,
+        resources=pool,
+        include_dashboard=False,
+        log_to_driver=verbose,
+        logging_level=level,
+    )
 
 
 def check_cluster(recipe: Recipe) -> None:
@@ -73,7 +80,8 @@ def check_cluster(recipe: Recipe) -> None:
     pool = hw.pool_resource
     if pool is not None and resources.get(pool, 0) < hw.world_size:
         raise UserError(
-            "hardware.pool", hw.pool,
+            "hardware.pool",
+            hw.pool,
             f"every worker takes one unit of the Ray resource {pool!r}, {hw.world_size} in all, but the cluster's "
             f"nodes advertise {resources.get(pool, 0):g}",
             f"start the pool's nodes with --resources='{{\"{pool}\": <devices per node>}}' (KubeRay: the worker "
@@ -84,7 +92,8 @@ def check_cluster(recipe: Recipe) -> None:
     have = int(resources.get(kind, 0))
     if have < hw.world_size:
         raise UserError(
-            "hardware.workers_per_node", hw.workers_per_node,
+            "hardware.workers_per_node",
+            hw.workers_per_node,
             f"the pool needs {hw.world_size} {kind} worker(s) but the Ray cluster has {have} {kind}(s)",
             "lower hardware.nodes / hardware.workers_per_node, add nodes, or set hardware.autoscaling=true on "
             "an autoscaling cluster",

@@ -24,9 +24,19 @@ from osdp_platform.tracking import Metric, RunRecord, RunTracker, Tag, run_recor
 
 Format = Literal["table", "json", "markdown"]
 MIB = 1024**2
-COLUMNS = ("run", "planner", "status", "batch (micro x accum x workers)", "predicted samples/s",
-           "measured samples/s", "predicted vs best uniform", "predicted peak MiB", "measured peak MiB",
-           "step time error", "peak memory error")
+COLUMNS = (
+    "run",
+    "planner",
+    "status",
+    "batch (micro x accum x workers)",
+    "predicted samples/s",
+    "measured samples/s",
+    "predicted vs best uniform",
+    "predicted peak MiB",
+    "measured peak MiB",
+    "step time error",
+    "peak memory error",
+)
 
 
 @dataclass(frozen=True)
@@ -62,11 +72,22 @@ def row_of(record: RunRecord) -> Row:
     def error(ratio: str) -> float | None:
         return m[ratio] - 1.0 if ratio in m else None
 
-    return Row(record.run_id, record.name, record.planner, record.status, record.batch,
-               m.get(Metric.PREDICTED_THROUGHPUT), m.get(Metric.MEASURED_THROUGHPUT), best,
-               baselines[best] if best else None, m.get(Metric.PREDICTED_PEAK_MEMORY),
-               m.get(Metric.MEASURED_PEAK_MEMORY), error(Metric.STEP_TIME_RATIO), error(Metric.PEAK_MEMORY_RATIO),
-               record.note)
+    return Row(
+        record.run_id,
+        record.name,
+        record.planner,
+        record.status,
+        record.batch,
+        m.get(Metric.PREDICTED_THROUGHPUT),
+        m.get(Metric.MEASURED_THROUGHPUT),
+        best,
+        baselines[best] if best else None,
+        m.get(Metric.PREDICTED_PEAK_MEMORY),
+        m.get(Metric.MEASURED_PEAK_MEMORY),
+        error(Metric.STEP_TIME_RATIO),
+        error(Metric.PEAK_MEMORY_RATIO),
+        record.note,
+    )
 
 
 def _num(value: float | None, fmt: str) -> str:
@@ -79,12 +100,19 @@ def _mib(value: float | None) -> str:
 
 def cells(row: Row) -> list[str]:
     """One row as printed; the formats are fixed so a reader (or a test) can check them against MLflow."""
-    return [f"{row.name} ({row.run_id[:8]})", row.planner, row.status,
-            " x ".join(map(str, row.batch)) if row.batch else "-",
-            _num(row.predicted_throughput, ".2f"), _num(row.measured_throughput, ".2f"),
-            f"{row.speedup:.2f}x {row.best_uniform}" if row.speedup is not None else "-",
-            _mib(row.predicted_peak_bytes), _mib(row.measured_peak_bytes),
-            _num(row.step_time_error, "+.1%"), _num(row.peak_memory_error, "+.1%")]
+    return [
+        f"{row.name} ({row.run_id[:8]})",
+        row.planner,
+        row.status,
+        " x ".join(map(str, row.batch)) if row.batch else "-",
+        _num(row.predicted_throughput, ".2f"),
+        _num(row.measured_throughput, ".2f"),
+        f"{row.speedup:.2f}x {row.best_uniform}" if row.speedup is not None else "-",
+        _mib(row.predicted_peak_bytes),
+        _mib(row.measured_peak_bytes),
+        _num(row.step_time_error, "+.1%"),
+        _num(row.peak_memory_error, "+.1%"),
+    ]
 
 
 def as_table(rows: list[Row]) -> Table:
@@ -111,8 +139,10 @@ def chart(rows: list[Row], path: Path) -> Path:
     labels = [f"{r.name} {r.run_id[:6]}\n{r.planner}\n{r.status}" for r in rows]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(rows) + 4), 4.5))
     x = range(len(rows))
-    for axis, (pred, meas, unit, scale) in ((ax, ("predicted_throughput", "measured_throughput", "samples/s", 1)),
-                                            (bx, ("predicted_peak_bytes", "measured_peak_bytes", "MiB", MIB))):
+    for axis, (pred, meas, unit, scale) in (
+        (ax, ("predicted_throughput", "measured_throughput", "samples/s", 1)),
+        (bx, ("predicted_peak_bytes", "measured_peak_bytes", "MiB", MIB)),
+    ):
         axis.bar([i - 0.2 for i in x], [(getattr(r, pred) or 0) / scale for r in rows], 0.4, label="predicted")
         axis.bar([i + 0.2 for i in x], [(getattr(r, meas) or 0) / scale for r in rows], 0.4, label="measured")
         axis.set_xticks(list(x), labels, fontsize=7)
@@ -129,21 +159,28 @@ def chart(rows: list[Row], path: Path) -> Path:
     return path
 
 
-def compare(uri: str, run_ids: list[str], experiment: str | None, fmt: Format, console: Console,
-            sweep: str | None = None) -> list[Row]:
+def compare(
+    uri: str, run_ids: list[str], experiment: str | None, fmt: Format, console: Console, sweep: str | None = None
+) -> list[Row]:
     """Print the runs side by side and log the comparison (table, JSON, chart) as a run of its own."""
     records = run_records(uri, run_ids, experiment, sweep)
     if not records:
-        raise UserError("--experiment", experiment, "holds no plan or train runs to compare",
-                        "run submit, sweep or plan --track first, or pass run ids")
+        raise UserError(
+            "--experiment",
+            experiment,
+            "holds no plan or train runs to compare",
+            "run submit, sweep or plan --track first, or pass run ids",
+        )
     rows = [row_of(r) for r in records]
     if fmt == "table":
         console.print(as_table(rows))
     else:
-        console.print(as_json(rows) if fmt == "json" else as_markdown(rows), markup=False, highlight=False,
-                      soft_wrap=True)
-    tracker = RunTracker.start_comparison(uri, records[0].experiment_id, [r.run_id for r in rows],
-                                          {Tag.SWEEP: sweep} if sweep else None)
+        console.print(
+            as_json(rows) if fmt == "json" else as_markdown(rows), markup=False, highlight=False, soft_wrap=True
+        )
+    tracker = RunTracker.start_comparison(
+        uri, records[0].experiment_id, [r.run_id for r in rows], {Tag.SWEEP: sweep} if sweep else None
+    )
     tracker.log_text(as_markdown(rows), "comparison.md")
     tracker.log_text(as_json(rows), "comparison.json")
     with tempfile.TemporaryDirectory() as tmp:

@@ -46,14 +46,20 @@ class TokenFiles:
             raise UserError("data.path", str(folder), f"has no {MANIFEST}", fix)
         meta = json.loads(path.read_text())
         if meta.get("format") != MANIFEST_FORMAT:
-            raise UserError("data.path", str(folder), f"{MANIFEST} has format {meta.get('format')!r}, this "
-                            f"platform reads {MANIFEST_FORMAT}", fix)
+            raise UserError(
+                "data.path",
+                str(folder),
+                f"{MANIFEST} has format {meta.get('format')!r}, this platform reads {MANIFEST_FORMAT}",
+                fix,
+            )
         missing = [f["name"] for f in meta["files"] if not (Path(folder) / f["name"]).is_file()]
         if missing:
-            raise UserError("data.path", str(folder), f"token files listed in {MANIFEST} are missing: "
-                            f"{missing[:3]}", fix)
-        return cls(Path(folder), [f["name"] for f in meta["files"]], meta["dtype"], int(meta["vocab_size"]),
-                   meta["tokenizer"])
+            raise UserError(
+                "data.path", str(folder), f"token files listed in {MANIFEST} are missing: {missing[:3]}", fix
+            )
+        return cls(
+            Path(folder), [f["name"] for f in meta["files"]], meta["dtype"], int(meta["vocab_size"]), meta["tokenizer"]
+        )
 
     @classmethod
     def prepare(cls, texts: Sequence[Path], tokenizer_name: str, out: Path) -> "TokenFiles":
@@ -67,8 +73,12 @@ class TokenFiles:
             if not text.is_file():
                 raise UserError("prepare", str(text), "is not a file", "pass existing text files")
         if (out / MANIFEST).exists():
-            raise UserError("--out", str(out), f"already holds prepared tokens ({MANIFEST})",
-                            "choose a new --out folder, or delete that one first")
+            raise UserError(
+                "--out",
+                str(out),
+                f"already holds prepared tokens ({MANIFEST})",
+                "choose a new --out folder, or delete that one first",
+            )
         out.mkdir(parents=True, exist_ok=True)
         dtype = token_dtype(tokenizer.vocab_size)
         entries: list[dict[str, Any]] = []
@@ -77,8 +87,13 @@ class TokenFiles:
             name = f"{i:04d}-{text.stem}.bin"
             ids.tofile(out / name)
             entries.append({"name": name, "tokens": len(ids), "source": str(text)})
-        manifest = {"format": MANIFEST_FORMAT, "tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size,
-                    "dtype": dtype, "files": entries}
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "tokenizer": tokenizer.name,
+            "vocab_size": tokenizer.vocab_size,
+            "dtype": dtype,
+            "files": entries,
+        }
         (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
         return cls(out, [e["name"] for e in entries], dtype, tokenizer.vocab_size, tokenizer.name)
 
@@ -111,8 +126,9 @@ def data_vocab_size(section: DataSection) -> int:
 def check_vocab(recipe: Recipe) -> None:
     """The model must have an embedding row for every token id the data holds (UserError otherwise)."""
     data = recipe.data
-    tokenizer = data.tokenizer or (TokenFiles.read(str(data.path)).tokenizer if data.source == "token_files"
-                                   else "bytes")
+    tokenizer = data.tokenizer or (
+        TokenFiles.read(str(data.path)).tokenizer if data.source == "token_files" else "bytes"
+    )
     check_model_vocab(recipe.model.model_dump(), data_vocab_size(data), tokenizer)
 
 
@@ -142,7 +158,7 @@ class Tokens:
         for start in starts.tolist():
             part = int(np.searchsorted(bounds, start, side="right"))
             offset = start - (int(bounds[part - 1]) if part else 0)
-            rows.append(torch.from_numpy(np.asarray(self.parts[part][offset:offset + length], dtype=np.int64)))
+            rows.append(torch.from_numpy(np.asarray(self.parts[part][offset : offset + length], dtype=np.int64)))
         return torch.stack(rows)
 
 
@@ -155,8 +171,9 @@ class BatchSampler:
     def __post_init__(self) -> None:
         if int(self.tokens.window_counts(self.seq_len + 1).sum()) < 1:
             longest = max((len(p) for p in self.tokens.parts), default=0)
-            raise ValueError(f"the longest token sequence has {longest} tokens, fewer than seq_len + 2 = "
-                             f"{self.seq_len + 2}")
+            raise ValueError(
+                f"the longest token sequence has {longest} tokens, fewer than seq_len + 2 = {self.seq_len + 2}"
+            )
 
     def global_batch(self, step: int, micro_step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-token targets for one micro step of the global batch (all ranks' rows)."""
@@ -173,8 +190,15 @@ class BatchSampler:
         rows = slice(rank * micro_batch, (rank + 1) * micro_batch)
         return x[rows], y[rows]
 
-    def micro_batches(self, step: int, grad_accum_steps: int, micro_batch: int, rank: int, world_size: int,
-                      device: torch.device | str = "cpu") -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def micro_batches(
+        self,
+        step: int,
+        grad_accum_steps: int,
+        micro_batch: int,
+        rank: int,
+        world_size: int,
+        device: torch.device | str = "cpu",
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's micro batches of one step, on `device` (what `train_step` consumes)."""
         for micro in range(grad_accum_steps):
             x, y = self.rank_batch(step, micro, micro_batch, rank, world_size)

@@ -24,8 +24,14 @@ class FakeRankMemory:
     breakdown: dict[str, int]  # tracker category -> bytes at the peak
 
 
-def measure_fake_rank(build: Callable[[], nn.Module], plan: Plan, vocab_size: int, rank: int = 0,
-                      iterations: int = 2, optimizer: str = "adamw") -> FakeRankMemory:
+def measure_fake_rank(
+    build: Callable[[], nn.Module],
+    plan: Plan,
+    vocab_size: int,
+    rank: int = 0,
+    iterations: int = 2,
+    optimizer: str = "adamw",
+) -> FakeRankMemory:
     """Peak memory of `rank` for one steady-state training step under `plan` (step 2 onwards)."""
     register_fake_backend()
     dist.init_process_group("fake", rank=rank, world_size=plan.world_size, store=dist.HashStore())

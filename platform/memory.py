@@ -13,8 +13,9 @@ from torch import nn
 from osdp_planners.torch_private import MemTracker
 
 
-def measure_step_peak(model: nn.Module, optimizer: torch.optim.Optimizer, step: Callable[[], None],
-                      device: torch.device) -> int:
+def measure_step_peak(
+    model: nn.Module, optimizer: torch.optim.Optimizer, step: Callable[[], None], device: torch.device
+) -> int:
     """Run `step` once and return the peak bytes it held on `device` (model states included)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)

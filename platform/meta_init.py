@@ -113,8 +113,9 @@ class _Walk:
         for p in params:
             if not p.is_meta or id(p) in unit.full:
                 continue
-            full = nn.Parameter(torch.full(p.shape, float("nan"), dtype=p.dtype, device="cpu"),
-                                requires_grad=p.requires_grad)
+            full = nn.Parameter(
+                torch.full(p.shape, float("nan"), dtype=p.dtype, device="cpu"), requires_grad=p.requires_grad
+            )
             unit.full[id(p)] = full
             for module, attr in self.owners[id(p)]:
                 module._parameters[attr] = full
@@ -139,7 +140,8 @@ def _check_set(name: str, value: torch.Tensor) -> None:
     if torch.isnan(value).any():
         raise UninitialisedParameter(
             f"{name}: the model's initialiser did not set it (init_module / _init_weights must cover every "
-            "parameter of a module's subtree)")
+            "parameter of a module's subtree)"
+        )
 
 
 def _units(model: nn.Module) -> tuple[list[_Unit], dict[str, int]]:

@@ -31,11 +31,19 @@ def _import_factory(target: str) -> Callable[..., Any]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise UserError("model.target", target, f"cannot import {module_name!r} ({exc})",
-                        "make the module importable (installed, or on PYTHONPATH)") from None
+        raise UserError(
+            "model.target",
+            target,
+            f"cannot import {module_name!r} ({exc})",
+            "make the module importable (installed, or on PYTHONPATH)",
+        ) from None
     if not hasattr(module, attr):
-        raise UserError("model.target", target, f"{module_name!r} has no attribute {attr!r}",
-                        "name a function or class in that module") from None
+        raise UserError(
+            "model.target",
+            target,
+            f"{module_name!r} has no attribute {attr!r}",
+            "name a function or class in that module",
+        ) from None
     return getattr(module, attr)
 
 
@@ -65,8 +73,9 @@ def _hf_model(section: ModelSection) -> nn.Module:
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
-        raise UserError("model.hf_config", section.hf_config, "needs the transformers package",
-                        "pip install transformers") from None
+        raise UserError(
+            "model.hf_config", section.hf_config, "needs the transformers package", "pip install transformers"
+        ) from None
     try:
         if isinstance(section.hf_config, str):
             config = AutoConfig.from_pretrained(section.hf_config, local_files_only=True, **section.kwargs)
@@ -74,9 +83,12 @@ def _hf_model(section: ModelSection) -> nn.Module:
             fields = dict(section.hf_config or {})
             config = AutoConfig.for_model(str(fields.pop("model_type", "")), **fields, **section.kwargs)
     except (ValueError, OSError, KeyError, TypeError) as exc:
-        raise UserError("model.hf_config", section.hf_config, f"is not a usable transformers config ({exc})",
-                        "give model_type (e.g. llama, gpt2) and that model's config fields, or the path of a "
-                        "local config.json") from None
+        raise UserError(
+            "model.hf_config",
+            section.hf_config,
+            f"is not a usable transformers config ({exc})",
+            "give model_type (e.g. llama, gpt2) and that model's config fields, or the path of a local config.json",
+        ) from None
     config.use_cache = False  # training never reads a KV cache; without this every forward returns one
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
@@ -86,14 +98,22 @@ def _construct(section: ModelSection) -> nn.Module:
         try:
             return zoo_module(str(section.family), str(section.size), **section.kwargs)
         except ValueError as exc:
-            raise UserError("model", section.model_dump(exclude_none=True), str(exc),
-                            "pick a family, size and options from the lists above") from None
+            raise UserError(
+                "model",
+                section.model_dump(exclude_none=True),
+                str(exc),
+                "pick a family, size and options from the lists above",
+            ) from None
     if section.hf_config is not None:
         return _hf_model(section)
     model = _import_factory(str(section.target))(**section.kwargs)
     if not isinstance(model, nn.Module):
-        raise UserError("model.target", section.target, f"returned {type(model).__name__}, not nn.Module",
-                        "return a torch.nn.Module from the factory")
+        raise UserError(
+            "model.target",
+            section.target,
+            f"returned {type(model).__name__}, not nn.Module",
+            "return a torch.nn.Module from the factory",
+        )
     return model
 
 
@@ -141,8 +161,7 @@ def build_model(section: ModelSection, device: str | torch.device = "cpu") -> nn
     return model
 
 
-def build_sharded(section: ModelSection, plan: Plan, device: torch.device, meshes: Meshes | None = None
-                  ) -> nn.Module:
+def build_sharded(section: ModelSection, plan: Plan, device: torch.device, meshes: Meshes | None = None) -> nn.Module:
     """The model with `plan` applied, each rank allocating only its shards plus one unit in full at a time.
 
     Same weights as `build_model(section)` from the same RNG state. Needs the process group `plan` is for.
@@ -165,4 +184,3 @@ def build_sharded(section: ModelSection, plan: Plan, device: torch.device, meshe
         for name, b in model.named_buffers():
             b.copy_(buffers[name])
     return model
-

@@ -97,12 +97,16 @@ def _jsonable(obj: Any) -> Any:
 def profile_json(result: PlanResult) -> str:
     """What the plan was computed from (profile, measured times, collectives), for the run's artifacts."""
     ctx = result.context
-    return json.dumps({
-        "profile": _jsonable(ctx.profile),
-        "measured_compute": _jsonable(ctx.measured),
-        "measured_comm": _jsonable(ctx.topo.measured),
-        "device": _jsonable(ctx.topo.device),
-    }, indent=1, default=str)
+    return json.dumps(
+        {
+            "profile": _jsonable(ctx.profile),
+            "measured_compute": _jsonable(ctx.measured),
+            "measured_comm": _jsonable(ctx.topo.measured),
+            "device": _jsonable(ctx.topo.device),
+        },
+        indent=1,
+        default=str,
+    )
 
 
 def _wait_until_placed(actor: Any, recipe: Recipe) -> None:
@@ -111,12 +115,17 @@ def _wait_until_placed(actor: Any, recipe: Recipe) -> None:
     try:
         ray.get(actor.ready.remote(), timeout=hw.wait_for_nodes_s)
     except GetTimeoutError:
-        need = ["1 CPU", *(["1 GPU"] if hw.accelerator == "gpu" else []),
-                *([f"1 unit of {hw.pool_resource!r}"] if hw.pool_resource else [])]
-        field, value = ("hardware.pool", hw.pool) if hw.pool_resource else ("hardware.wait_for_nodes_s",
-                                                                          hw.wait_for_nodes_s)
+        need = [
+            "1 CPU",
+            *(["1 GPU"] if hw.accelerator == "gpu" else []),
+            *([f"1 unit of {hw.pool_resource!r}"] if hw.pool_resource else []),
+        ]
+        field, value = (
+            ("hardware.pool", hw.pool) if hw.pool_resource else ("hardware.wait_for_nodes_s", hw.wait_for_nodes_s)
+        )
         raise UserError(
-            field, value,
+            field,
+            value,
             f"no node with {' and '.join(need)} free was there for the planner within {hw.wait_for_nodes_s:g} s "
             "(hardware.wait_for_nodes_s)",
             "name a pool a node group of the cluster advertises (KubeRay: the worker group's `resources`; "
@@ -129,8 +138,8 @@ def plan_on_sample_worker(recipe: Recipe) -> PlanResult:
     """Place the planner actor like one training worker (same pool), get its plan (with what it was computed from, for
     the run's charts), and free the worker again."""
     gpu = 1 if recipe.hardware.accelerator == "gpu" else 0
-    actor = PlannerActor.options(num_cpus=1, num_gpus=gpu,  # type: ignore[attr-defined]
-                                 resources=pool_request(recipe.hardware)).remote()
+    options = {"num_cpus": 1, "num_gpus": gpu, "resources": pool_request(recipe.hardware)}
+    actor = PlannerActor.options(**options).remote()  # type: ignore[attr-defined]  # ray.remote's class
     try:
         _wait_until_placed(actor, recipe)
         result = ray.get(actor.plan.remote(recipe.model_dump(mode="json")), timeout=PLANNER_TIMEOUT_S)

@@ -20,19 +20,27 @@ class ModelSection(_Section):
 
     family: str | None = Field(default=None, description="zoo family, with `size`: llama, gpt2 or opt")
     size: str | None = Field(
-        default=None, description="zoo preset of the family: llama tiny, 1b, 7b, 13b, 70b; gpt2 tiny, 124m, 355m, "
-                                  "774m, 1.5b, osdp-48l; opt tiny, 125m, 350m, 1.3b, 2.7b, 6.7b, 13b, 30b")
+        default=None,
+        description="zoo preset of the family: llama tiny, 1b, 7b, 13b, 70b; gpt2 tiny, 124m, 355m, "
+        "774m, 1.5b, osdp-48l; opt tiny, 125m, 350m, 1.3b, 2.7b, 6.7b, 13b, 30b",
+    )
     hf_config: dict[str, Any] | str | None = Field(
-        default=None, description="a `transformers` config: inline (`model_type: llama` plus that model's fields) or "
-                                  "the path of a local config.json or its folder; built by AutoModelForCausalLM "
-                                  "from the config alone (nothing is downloaded)")
+        default=None,
+        description="a `transformers` config: inline (`model_type: llama` plus that model's fields) or "
+        "the path of a local config.json or its folder; built by AutoModelForCausalLM "
+        "from the config alone (nothing is downloaded)",
+    )
     target: str | None = Field(
-        default=None, description='"pkg.module:factory" returning your own nn.Module, whose forward(tokens) returns '
-                                  "logits, a tuple starting with them, or an object with .logits (a Hugging Face "
-                                  "ModelOutput); see Your own model")
+        default=None,
+        description='"pkg.module:factory" returning your own nn.Module, whose forward(tokens) returns '
+        "logits, a tuple starting with them, or an object with .logits (a Hugging Face "
+        "ModelOutput); see Your own model",
+    )
     kwargs: dict[str, Any] = Field(
-        default_factory=dict, description="overrides of the zoo preset's fields (e.g. n_layers, vocab_size) or of "
-                                          "the hf_config's, or the factory's keyword arguments")
+        default_factory=dict,
+        description="overrides of the zoo preset's fields (e.g. n_layers, vocab_size) or of "
+        "the hf_config's, or the factory's keyword arguments",
+    )
 
     @field_validator("hf_config")
     @classmethod
@@ -43,13 +51,22 @@ class ModelSection(_Section):
     @model_validator(mode="after")
     def _one_source(self) -> "ModelSection":
         zoo = self.family is not None or self.size is not None
-        sources = [name for name, given in (("family+size", zoo), ("hf_config", self.hf_config is not None),
-                                            ("target", self.target is not None)) if given]
+        sources = [
+            name
+            for name, given in (
+                ("family+size", zoo),
+                ("hf_config", self.hf_config is not None),
+                ("target", self.target is not None),
+            )
+            if given
+        ]
         if len(sources) > 1:
             raise ValueError(f"give one model source, not both {' and '.join(sources)}")
         if not sources:
-            raise ValueError("give family+size (e.g. family: llama, size: tiny), hf_config (a transformers config) "
-                             "or target: 'pkg.module:factory'")
+            raise ValueError(
+                "give family+size (e.g. family: llama, size: tiny), hf_config (a transformers config) "
+                "or target: 'pkg.module:factory'"
+            )
         if zoo and (self.family is None or self.size is None):
             raise ValueError("a zoo model needs both family and size")
         if self.target is not None and ":" not in self.target:
@@ -74,16 +91,20 @@ class DataSection(_Section):
     """Token source and tokenizer: synthetic tokens, the bundled corpus, a text file, or prepared token files."""
 
     source: Literal["synthetic", "corpus", "text_file", "token_files"] = Field(
-        default="corpus", description="synthetic (generated, learnable byte ids), corpus (bundled public-domain "
-                                      "text, platform/data/), text_file (`path`), or token_files (`path`: a folder "
-                                      "written by `osdp-platform prepare`, uint16/uint32 files read through "
-                                      "np.memmap, several files as one data set)")
+        default="corpus",
+        description="synthetic (generated, learnable byte ids), corpus (bundled public-domain "
+        "text, platform/data/), text_file (`path`), or token_files (`path`: a folder "
+        "written by `osdp-platform prepare`, uint16/uint32 files read through "
+        "np.memmap, several files as one data set)",
+    )
     path: str | None = Field(default=None, description="the text file (text_file) or the folder (token_files)")
     tokenizer: str | None = Field(
-        default=None, description="bytes (the default, vocab 256), bpe (shipped byte-level BPE trained on the "
-                                  "corpus, vocab 1024) or the path of a `tokenizers` JSON file; token files carry "
-                                  "their own. A zoo or hf_config model whose vocab_size is below the tokenizer's is "
-                                  "refused when the recipe loads")
+        default=None,
+        description="bytes (the default, vocab 256), bpe (shipped byte-level BPE trained on the "
+        "corpus, vocab 1024) or the path of a `tokenizers` JSON file; token files carry "
+        "their own. A zoo or hf_config model whose vocab_size is below the tokenizer's is "
+        "refused when the recipe loads",
+    )
     seq_len: int = Field(default=64, ge=2, description="tokens per sample: the context length trained on")
 
     @field_validator("path", "tokenizer")
@@ -105,11 +126,12 @@ class DataSection(_Section):
             if not self.path:
                 raise ValueError("source token_files needs path: a folder written by `osdp-platform prepare`")
             if not Path(self.path, "tokens.json").is_file():
-                raise ValueError(f"{self.path!r} holds no tokens.json: write it with `osdp-platform prepare "
-                                 "--tokenizer ... --out DIR FILES...`")
+                raise ValueError(
+                    f"{self.path!r} holds no tokens.json: write it with `osdp-platform prepare "
+                    "--tokenizer ... --out DIR FILES...`"
+                )
             if self.tokenizer is not None:
-                raise ValueError("token files carry the tokenizer that made them (tokens.json): remove "
-                                 "data.tokenizer")
+                raise ValueError("token files carry the tokenizer that made them (tokens.json): remove data.tokenizer")
         elif self.path is not None:
             raise ValueError(f"path is only used with source text_file or token_files (source is {self.source!r})")
         if self.source == "synthetic" and self.tokenizer not in (None, "bytes"):
@@ -125,25 +147,35 @@ _RESOURCE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*")
 class HardwareSection(_Section):
     """The device pool: nodes x workers per node, each one device of the named preset."""
 
-    accelerator: Literal["cpu", "gpu"] = Field(default="cpu", description="the workers' device type; the "
-                                                                         "preset must be of the same type")
+    accelerator: Literal["cpu", "gpu"] = Field(
+        default="cpu", description="the workers' device type; the preset must be of the same type"
+    )
     nodes: PositiveInt = Field(default=1, description="nodes in the pool")
     workers_per_node: PositiveInt = Field(default=2, description="Ray Train workers per node, one device each")
-    preset: str = Field(default="cpu", description="what the planner assumes of a device where it cannot measure "
-                                                   f"(memory, speed, links): {', '.join(PRESETS)}")
-    memory_per_device_gb: float | None = Field(default=None, gt=0, description="device memory in GiB, instead of "
-                                                                               "the preset's")
-    autoscaling: bool = Field(default=False, description="the cluster's autoscaler adds nodes on demand: wait for "
-                                                         "them instead of stopping when the pool is short")
+    preset: str = Field(
+        default="cpu",
+        description="what the planner assumes of a device where it cannot measure "
+        f"(memory, speed, links): {', '.join(PRESETS)}",
+    )
+    memory_per_device_gb: float | None = Field(
+        default=None, gt=0, description="device memory in GiB, instead of the preset's"
+    )
+    autoscaling: bool = Field(
+        default=False,
+        description="the cluster's autoscaler adds nodes on demand: wait for "
+        "them instead of stopping when the pool is short",
+    )
     pool: str = Field(
         default="auto",
         description="Ray custom resource of which every worker and the planner take one unit, so the plan runs on "
-                    "the devices it was made for: `auto` = the GPU preset's pool (a100-80gb -> A100_80GB), none "
-                    "on CPU; `any` = no pool resource; or the name your nodes advertise",
+        "the devices it was made for: `auto` = the GPU preset's pool (a100-80gb -> A100_80GB), none "
+        "on CPU; `any` = no pool resource; or the name your nodes advertise",
     )
     wait_for_nodes_s: float = Field(
-        default=600.0, gt=0, description="seconds the planner actor waits to be placed (for an autoscaler to "
-                                         "start a node of the pool) before the run stops with an error",
+        default=600.0,
+        gt=0,
+        description="seconds the planner actor waits to be placed (for an autoscaler to "
+        "start a node of the pool) before the run stops with an error",
     )
 
     @model_validator(mode="after")
@@ -194,24 +226,49 @@ class HardwareSection(_Section):
 
 
 class PlannerSection(_Section):
-    name: Literal["ddp", "zero2", "zero3", "hsdp", "osdp", "manual"] = Field(default="osdp", description=(
-        "osdp (per unit: strategy, split factor and recomputation, plus the batch size), one strategy for every "
-        "unit (ddp, zero2, zero3, hsdp), or manual (evaluate plan_file)"))
-    memory_limit_gb: float | None = Field(default=None, gt=0, description=(
-        "per-device memory budget the plan must fit, in GiB; default: the device memory"))
-    memory_margin: float | None = Field(default=None, ge=0, lt=0.5, description=(
-        "share of the budget kept unplanned (allocator fragmentation, model error); default 0.02 on CPU, "
-        "0.05 on GPU"))
-    memory_reserve_gb: float | None = Field(default=None, ge=0, description=(
-        "fixed memory kept unplanned (CUDA context, NCCL buffers), in GiB; default 0 on CPU, 1 on GPU"))
-    hsdp_group_size: PositiveInt | None = Field(default=None, description=(
-        "ranks in each HSDP shard group, a divisor of the world size; default: a node's workers on several "
-        "nodes, half a node on one"))
-    plan_file: str | None = Field(default=None, description=(
-        "the plan JSON the manual planner evaluates (e.g. from `osdp-platform plan --out`)"))
-    search: Literal["auto", "dp", "milp"] = Field(default="auto", description=(
-        "how osdp searches: dp (knapsack over a memory bound, any size), milp (exact over the simulated "
-        "peak), auto (dp, then milp where it can gain and the program is small); see The planner"))
+    name: Literal["ddp", "zero2", "zero3", "hsdp", "osdp", "manual"] = Field(
+        default="osdp",
+        description=(
+            "osdp (per unit: strategy, split factor and recomputation, plus the batch size), one strategy for every "
+            "unit (ddp, zero2, zero3, hsdp), or manual (evaluate plan_file)"
+        ),
+    )
+    memory_limit_gb: float | None = Field(
+        default=None,
+        gt=0,
+        description=("per-device memory budget the plan must fit, in GiB; default: the device memory"),
+    )
+    memory_margin: float | None = Field(
+        default=None,
+        ge=0,
+        lt=0.5,
+        description=(
+            "share of the budget kept unplanned (allocator fragmentation, model error); default 0.02 on CPU, "
+            "0.05 on GPU"
+        ),
+    )
+    memory_reserve_gb: float | None = Field(
+        default=None,
+        ge=0,
+        description=("fixed memory kept unplanned (CUDA context, NCCL buffers), in GiB; default 0 on CPU, 1 on GPU"),
+    )
+    hsdp_group_size: PositiveInt | None = Field(
+        default=None,
+        description=(
+            "ranks in each HSDP shard group, a divisor of the world size; default: a node's workers on several "
+            "nodes, half a node on one"
+        ),
+    )
+    plan_file: str | None = Field(
+        default=None, description=("the plan JSON the manual planner evaluates (e.g. from `osdp-platform plan --out`)")
+    )
+    search: Literal["auto", "dp", "milp"] = Field(
+        default="auto",
+        description=(
+            "how osdp searches: dp (knapsack over a memory bound, any size), milp (exact over the simulated "
+            "peak), auto (dp, then milp where it can gain and the program is small); see The planner"
+        ),
+    )
 
     @model_validator(mode="after")
     def _manual_needs_file(self) -> "PlannerSection":
@@ -225,36 +282,54 @@ class PlannerSection(_Section):
 
 class TrainSection(_Section):
     steps: PositiveInt = Field(default=20, description="optimizer steps")
-    micro_batch_size: PositiveInt | Literal["auto"] = Field(default=4, description=(
-        "samples per worker in one forward and backward; auto: the planner chooses"))
-    global_batch_size: PositiveInt | None = Field(default=None, description=(
-        "samples per optimizer step over all workers, a multiple of micro_batch_size x world size (the ratio is "
-        "the gradient accumulation); default: micro_batch_size x world size"))
+    micro_batch_size: PositiveInt | Literal["auto"] = Field(
+        default=4, description=("samples per worker in one forward and backward; auto: the planner chooses")
+    )
+    global_batch_size: PositiveInt | None = Field(
+        default=None,
+        description=(
+            "samples per optimizer step over all workers, a multiple of micro_batch_size x world size (the ratio is "
+            "the gradient accumulation); default: micro_batch_size x world size"
+        ),
+    )
     optimizer: Literal["adamw", "sgd"] = Field(default="adamw", description="torch.optim.AdamW or SGD")
     lr: float = Field(default=1e-3, gt=0, description="learning rate")
     weight_decay: float = Field(default=0.0, ge=0, description="the optimizer's weight_decay")
     seed: int = Field(default=0, description="seeds the initial weights and the data order")
-    precision: Literal["fp32", "bf16-mixed"] = Field(default="fp32", description=(
-        "bf16-mixed: bf16 compute and gathers, fp32 sharded weights and gradient reduction"))
+    precision: Literal["fp32", "bf16-mixed"] = Field(
+        default="fp32",
+        description=("bf16-mixed: bf16 compute and gathers, fp32 sharded weights and gradient reduction"),
+    )
     checkpoint_every: int = Field(default=0, ge=0, description="steps between checkpoints; 0 = never")
     checkpoint_dir: str | None = Field(
-        default=None, description="where checkpoints are stored, reachable from every worker: a path (shared "
-                                  "on a cluster) or a URI Ray Train storage supports (s3://, gs://, ...); "
-                                  "default: runs/ beside the driver")
-    checkpoints_to_keep: PositiveInt | None = Field(default=None, description="keep only the newest N; "
-                                                                             "default: all")
-    max_failures: int = Field(default=1, ge=-1, description="worker-failure restarts from the last checkpoint; "
-                                                         "-1 = unlimited")
+        default=None,
+        description="where checkpoints are stored, reachable from every worker: a path (shared "
+        "on a cluster) or a URI Ray Train storage supports (s3://, gs://, ...); "
+        "default: runs/ beside the driver",
+    )
+    checkpoints_to_keep: PositiveInt | None = Field(default=None, description="keep only the newest N; default: all")
+    max_failures: int = Field(
+        default=1, ge=-1, description="worker-failure restarts from the last checkpoint; -1 = unlimited"
+    )
 
 
 class TrackingSection(_Section):
-    uri: str | None = Field(default=None, description=(
-        "MLflow tracking store: a server (http://...) or a local store; default $MLFLOW_TRACKING_URI, else "
-        "sqlite:///mlflow.db"))
+    uri: str | None = Field(
+        default=None,
+        description=(
+            "MLflow tracking store: a server (http://...) or a local store; default $MLFLOW_TRACKING_URI, else "
+            "sqlite:///mlflow.db"
+        ),
+    )
     experiment: str = Field(default="osdp-platform", description="MLflow experiment the runs are recorded in")
-    wait_for_server_s: float = Field(default=300.0, ge=0, description=(
-        "seconds the end of a run waits for a tracking server that went away before leaving its writes on disk "
-        "(`osdp-platform sync` uploads them later)"))
+    wait_for_server_s: float = Field(
+        default=300.0,
+        ge=0,
+        description=(
+            "seconds the end of a run waits for a tracking server that went away before leaving its writes on disk "
+            "(`osdp-platform sync` uploads them later)"
+        ),
+    )
 
     @property
     def resolved_uri(self) -> str:
@@ -262,18 +337,29 @@ class TrackingSection(_Section):
 
 
 class Recipe(_Section):
-    name: str = Field(default="run", description=(
-        "the MLflow run's name; Ray Train's run folder (holding the checkpoints) is `<name>-<run id>`"))
-    model: ModelSection = Field(description=(
-        "what to train, from one source: a zoo preset (family + size), a Hugging Face config (hf_config) or your "
-        "own factory (target)"))
+    name: str = Field(
+        default="run",
+        description=("the MLflow run's name; Ray Train's run folder (holding the checkpoints) is `<name>-<run id>`"),
+    )
+    model: ModelSection = Field(
+        description=(
+            "what to train, from one source: a zoo preset (family + size), a Hugging Face config (hf_config) or your "
+            "own factory (target)"
+        )
+    )
     data: DataSection = Field(default_factory=DataSection, description="the tokens trained on and their tokenizer")
-    hardware: HardwareSection = Field(default_factory=HardwareSection, description=(
-        "the device pool: nodes x workers_per_node workers, one device each"))
-    planner: PlannerSection = Field(default_factory=PlannerSection, description=(
-        "how the model is sharded: the planner, its search and the memory budget the plan must fit"))
-    train: TrainSection = Field(default_factory=TrainSection, description=(
-        "the training loop: steps, batch, optimizer, precision, checkpoints and restarts"))
+    hardware: HardwareSection = Field(
+        default_factory=HardwareSection,
+        description=("the device pool: nodes x workers_per_node workers, one device each"),
+    )
+    planner: PlannerSection = Field(
+        default_factory=PlannerSection,
+        description=("how the model is sharded: the planner, its search and the memory budget the plan must fit"),
+    )
+    train: TrainSection = Field(
+        default_factory=TrainSection,
+        description=("the training loop: steps, batch, optimizer, precision, checkpoints and restarts"),
+    )
     tracking: TrackingSection = Field(default_factory=TrackingSection, description="where MLflow records runs")
 
     @model_validator(mode="after")
@@ -291,16 +377,21 @@ class Recipe(_Section):
                     f"train.global_batch_size {gb} must be a multiple of micro_batch_size x world size = {mb * ws}"
                 )
         if self.memory_margin.usable(self.memory_limit_bytes) <= 0:
-            raise ValueError(f"planner.memory_reserve_gb {self.planner.memory_reserve_gb} leaves no memory of the "
-                             f"{self.memory_limit_bytes / 1024**3:.4g} GiB budget to plan: lower it (or set it "
-                             "to 0) or raise the budget")
+            raise ValueError(
+                f"planner.memory_reserve_gb {self.planner.memory_reserve_gb} leaves no memory of the "
+                f"{self.memory_limit_bytes / 1024**3:.4g} GiB budget to plan: lower it (or set it "
+                "to 0) or raise the budget"
+            )
         return self
 
     @property
     def memory_margin(self) -> MemoryMargin:
         reserve = self.planner.memory_reserve_gb
-        return MemoryMargin.default(PRESETS[self.hardware.preset].accelerator, self.planner.memory_margin,
-                                    None if reserve is None else int(reserve * 1024**3))
+        return MemoryMargin.default(
+            PRESETS[self.hardware.preset].accelerator,
+            self.planner.memory_margin,
+            None if reserve is None else int(reserve * 1024**3),
+        )
 
     @property
     def memory_limit_bytes(self) -> int:

@@ -23,8 +23,7 @@ from osdp_platform.recipe import Recipe
 START = "<!-- recipe-reference:start -->"
 END = "<!-- recipe-reference:end -->"
 REGENERATE = "make docs"
-_NOTE = ("<!-- generated from platform/recipe.py: edit the Field descriptions there, then run "
-         f"`{REGENERATE}` -->")
+_NOTE = f"<!-- generated from platform/recipe.py: edit the Field descriptions there, then run `{REGENERATE}` -->"
 # pydantic's constraint metadata (annotated-types objects): attribute -> comparison, read as `type > bound`
 _LOWER = {"gt": ">", "ge": ">="}
 _UPPER = {"lt": "<", "le": "<="}
@@ -61,9 +60,17 @@ def _yaml(value: Any) -> str:
 
 def _bounded(name: str, metadata: Sequence[Any]) -> str:
     """`int > 0`, `0 <= float < 0.5`."""
+
     def found(signs: dict[str, str]) -> tuple[str, Any] | None:
-        return next(((sign, getattr(m, attr)) for m in metadata for attr, sign in signs.items()
-                     if getattr(m, attr, None) is not None), None)
+        return next(
+            (
+                (sign, getattr(m, attr))
+                for m in metadata
+                for attr, sign in signs.items()
+                if getattr(m, attr, None) is not None
+            ),
+            None,
+        )
 
     lower, upper = found(_LOWER), found(_UPPER)
     if lower and upper:
@@ -169,8 +176,12 @@ def write_readme(path: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m osdp_platform.recipe_docs", description=__doc__)
-    parser.add_argument("--write", metavar="README", type=Path,
-                        help=f"rewrite the block between {START} and {END} in this file (default: print the tables)")
+    parser.add_argument(
+        "--write",
+        metavar="README",
+        type=Path,
+        help=f"rewrite the block between {START} and {END} in this file (default: print the tables)",
+    )
     args = parser.parse_args(argv)
     if args.write is None:
         sys.stdout.write(render_markdown())

@@ -87,8 +87,9 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     try:
         data = OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as exc:
-        raise UserError("recipe", str(path), f"interpolation failed: {str(exc).splitlines()[0]}",
-                        "point ${...} at an existing key") from None
+        raise UserError(
+            "recipe", str(path), f"interpolation failed: {str(exc).splitlines()[0]}", "point ${...} at an existing key"
+        ) from None
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as exc:

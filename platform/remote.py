@@ -23,8 +23,18 @@ JOBS_API_SCHEMES = ("http://", "https://")
 STATUS_POLLS = 30
 # Never shipped: environments, local runs and tracking stores, caches (the project's .gitignore
 # is applied as well, by Ray).
-WORKING_DIR_EXCLUDES = [".venv/", ".git/", "runs/", "mlruns/", "mlartifacts/", "mlflow.db", "__pycache__/",
-                        ".pytest_cache/", ".ruff_cache/", "*.egg-info/"]
+WORKING_DIR_EXCLUDES = [
+    ".venv/",
+    ".git/",
+    "runs/",
+    "mlruns/",
+    "mlartifacts/",
+    "mlflow.db",
+    "__pycache__/",
+    ".pytest_cache/",
+    ".ruff_cache/",
+    "*.egg-info/",
+]
 
 
 def is_jobs_api(address: str) -> bool:
@@ -37,7 +47,8 @@ def job_entrypoint(command: str, recipe_path: str, args: list[str], project: Pat
     path = Path(recipe_path).resolve()
     if not path.is_relative_to(project.resolve()):
         raise UserError(
-            "recipe", recipe_path,
+            "recipe",
+            recipe_path,
             f"is outside the project folder {project} that is shipped to the cluster as the job's working directory",
             "run the command from a folder that contains the recipe (and any file it refers to)",
         )
@@ -49,7 +60,9 @@ def _client(address: str) -> JobSubmissionClient:
         return JobSubmissionClient(address)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise UserError(
-            "--address", address, f"no Ray Jobs API answers there ({str(exc).splitlines()[0]})",
+            "--address",
+            address,
+            f"no Ray Jobs API answers there ({str(exc).splitlines()[0]})",
             "give the head's dashboard address (port 8265; on Kubernetes `kubectl port-forward svc/<cluster>-head-svc "
             "8265:8265` and --address http://127.0.0.1:8265), or ray://HEAD:10001 for a Ray client",
         ) from None
@@ -76,8 +89,11 @@ def submit_job(name: str, command: str, recipe_path: str, args: list[str], addre
     try:
         asyncio.run(_follow(client, job_id))
     except KeyboardInterrupt:
-        console.print(f"stopped following; the job goes on. Follow it: ray job logs -f {job_id} --address {address}; "
-                      f"stop it: ray job stop {job_id} --address {address}", markup=False)
+        console.print(
+            f"stopped following; the job goes on. Follow it: ray job logs -f {job_id} --address {address}; "
+            f"stop it: ray job stop {job_id} --address {address}",
+            markup=False,
+        )
         return 130
     info = client.get_job_info(job_id)
     for _ in range(STATUS_POLLS):  # the log stream can close a moment before the status turns final

@@ -37,25 +37,39 @@ def _strategy(u: UnitPlan) -> str:
 
 def unit_table(result: PlanResult) -> Table:
     plan = result.plan
-    table = Table(title=f"{plan.model}: plan by {plan.planner} for {plan.world_size} worker(s), "
-                        f"micro batch {plan.micro_batch_size} x {plan.grad_accum_steps} accumulation")
+    table = Table(
+        title=f"{plan.model}: plan by {plan.planner} for {plan.world_size} worker(s), "
+        f"micro batch {plan.micro_batch_size} x {plan.grad_accum_steps} accumulation"
+    )
     for col in ("unit", "params", "strategy", "split", "checkpoint", "resident memory", "time/step"):
         table.add_column(col, justify="left" if col in ("unit", "strategy") else "right", no_wrap=True)
     for u in plan.units:
-        table.add_row(u.name, f"{u.param_count / 1e6:.2f}M", _strategy(u), str(u.split), "yes" if u.checkpoint else "",
-                      _fmt_bytes(u.predicted_memory_bytes or 0), f"{(u.predicted_time_s or 0) * 1e3:.2f} ms")
+        table.add_row(
+            u.name,
+            f"{u.param_count / 1e6:.2f}M",
+            _strategy(u),
+            str(u.split),
+            "yes" if u.checkpoint else "",
+            _fmt_bytes(u.predicted_memory_bytes or 0),
+            f"{(u.predicted_time_s or 0) * 1e3:.2f} ms",
+        )
     return table
 
 
 def unit_markdown(plan: Plan) -> str:
     """The per-unit plan as a Markdown table (MLflow shows it as text beside the charts)."""
-    lines = [f"# {plan.model}: plan by {plan.planner}, {plan.world_size} worker(s), micro batch "
-             f"{plan.micro_batch_size} x {plan.grad_accum_steps} accumulation", "",
-             "| unit | params | strategy | split | checkpoint | predicted resident memory | predicted time/step |",
-             "|---|---:|---|---:|:---:|---:|---:|"]
+    lines = [
+        f"# {plan.model}: plan by {plan.planner}, {plan.world_size} worker(s), micro batch "
+        f"{plan.micro_batch_size} x {plan.grad_accum_steps} accumulation",
+        "",
+        "| unit | params | strategy | split | checkpoint | predicted resident memory | predicted time/step |",
+        "|---|---:|---|---:|:---:|---:|---:|",
+    ]
     for u in plan.units:
-        lines.append(f"| {u.name} | {u.param_count:,} | {_strategy(u)} | {u.split} | {'yes' if u.checkpoint else ''} "
-                     f"| {_fmt_bytes(u.predicted_memory_bytes or 0)} | {(u.predicted_time_s or 0) * 1e3:.2f} ms |")
+        lines.append(
+            f"| {u.name} | {u.param_count:,} | {_strategy(u)} | {u.split} | {'yes' if u.checkpoint else ''} "
+            f"| {_fmt_bytes(u.predicted_memory_bytes or 0)} | {(u.predicted_time_s or 0) * 1e3:.2f} ms |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -64,10 +78,16 @@ def comparison(result: PlanResult) -> str:
     plan = result.plan
     pred = plan.predicted
     margin = plan.memory_margin
-    usable = (f" ({_fmt_bytes(margin.usable_bytes)} usable after a {margin.fraction:.0%} + "
-              f"{_fmt_bytes(margin.reserve_bytes)} margin)" if margin else "")
-    head = (f"predicted: peak {_fmt_bytes(pred.peak_memory_bytes or 0)} of {_fmt_bytes(plan.memory_limit_bytes or 0)}"
-            f"{usable}, step {pred.step_time_s or 0:.4f} s, {pred.throughput_samples_per_s or 0:.2f} samples/s")
+    usable = (
+        f" ({_fmt_bytes(margin.usable_bytes)} usable after a {margin.fraction:.0%} + "
+        f"{_fmt_bytes(margin.reserve_bytes)} margin)"
+        if margin
+        else ""
+    )
+    head = (
+        f"predicted: peak {_fmt_bytes(pred.peak_memory_bytes or 0)} of {_fmt_bytes(plan.memory_limit_bytes or 0)}"
+        f"{usable}, step {pred.step_time_s or 0:.4f} s, {pred.throughput_samples_per_s or 0:.2f} samples/s"
+    )
     fitting = {k: b for k, b in plan.baselines.items() if b.fits and b.throughput_samples_per_s}
     if not fitting:
         return f"{head}; no uniform plan fits"
@@ -83,8 +103,12 @@ def _draw_memory(ax: Axes, result: PlanResult, measured_peaks: list[float]) -> N
     values = [v / MIB for _, v in timeline.events]
     ax.plot(values, marker=".", linewidth=1, label=f"predicted (peak {max(values):.1f} MiB)")
     for rank, peak in enumerate(measured_peaks):
-        ax.axhline(peak / MIB, color=plt.cm.Dark2(rank % 8), linestyle=":",
-                   label=f"measured peak, rank {rank} ({peak / MIB:.1f} MiB)")
+        ax.axhline(
+            peak / MIB,
+            color=plt.cm.Dark2(rank % 8),
+            linestyle=":",
+            label=f"measured peak, rank {rank} ({peak / MIB:.1f} MiB)",
+        )
     if plan.memory_limit_bytes:
         ax.axhline(plan.memory_limit_bytes / MIB, color="red", linestyle="--", label="memory limit")
     ax.set_ylabel("MiB per rank")
@@ -97,16 +121,23 @@ def _draw_units(ax: Axes, plan: Plan) -> None:
     names = [u.name for u in plan.units]
     kinds = sorted({f"{u.strategy.value}/{u.shard_group_size}" for u in plan.units})
     colors = {k: plt.cm.tab10(i) for i, k in enumerate(kinds)}
-    bars = ax.bar(range(len(names)), [(u.predicted_memory_bytes or 0) / MIB for u in plan.units],
-                  color=[colors[f"{u.strategy.value}/{u.shard_group_size}"] for u in plan.units])
+    bars = ax.bar(
+        range(len(names)),
+        [(u.predicted_memory_bytes or 0) / MIB for u in plan.units],
+        color=[colors[f"{u.strategy.value}/{u.shard_group_size}"] for u in plan.units],
+    )
     for bar, u in zip(bars, plan.units, strict=True):
         if u.checkpoint or u.split > 1:
             bar.set_hatch("//" if u.checkpoint else "..")
     ax.set_ylabel("resident MiB")
     ax.set_title("per-unit choice (colour: strategy/group; // checkpointed; .. split)")
     ax.set_xticks(range(len(names)), names if len(names) <= 24 else [""] * len(names), rotation=70, fontsize=7)
-    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()], labels=list(colors),
-              fontsize=7, ncol=min(len(colors), 6))
+    ax.legend(
+        handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()],
+        labels=list(colors),
+        fontsize=7,
+        ncol=min(len(colors), 6),
+    )
 
 
 def _save(fig: plt.Figure, path: Path) -> Path:
@@ -156,10 +187,14 @@ def step_time(result: PlanResult) -> StepTime:
     units = {}
     for u in plan.units:
         opt = Option.of(u)
-        t = unit_time(ctx.profile, u.name, opt, plan.micro_batch_size, ctx.topo, ctx.measured, ctx.compute_bytes,
-                      ctx.overlap)
-        units[u.name] = (accum * t.compute_s, accum * (t.total_s - t.compute_s),
-                         optimizer_seconds(ctx.profile, {u.name: opt}, ctx.topo, ctx.measured))
+        t = unit_time(
+            ctx.profile, u.name, opt, plan.micro_batch_size, ctx.topo, ctx.measured, ctx.compute_bytes, ctx.overlap
+        )
+        units[u.name] = (
+            accum * t.compute_s,
+            accum * (t.total_s - t.compute_s),
+            optimizer_seconds(ctx.profile, {u.name: opt}, ctx.topo, ctx.measured),
+        )
     return StepTime(units, accum * ctx.topo.step_fixed_s)
 
 
@@ -179,8 +214,14 @@ def step_time_chart(result: PlanResult, path: Path, measured_step_s: float | Non
     ax.set_title(f"{result.plan.model}, plan by {result.plan.planner}: predicted step time per unit")
     ax.legend(fontsize=7)
     below = 0.0
-    for i, (label, value) in enumerate((("compute", totals[0]), ("exposed communication", totals[1]),
-                                        ("optimizer", totals[2]), ("per-step fixed", parts.fixed_s * 1e3))):
+    for i, (label, value) in enumerate(
+        (
+            ("compute", totals[0]),
+            ("exposed communication", totals[1]),
+            ("optimizer", totals[2]),
+            ("per-step fixed", parts.fixed_s * 1e3),
+        )
+    ):
         bx.bar(0, value, bottom=below, color=plt.cm.tab10(i), label=label)
         below += value
     if measured_step_s is not None:
@@ -191,15 +232,21 @@ def step_time_chart(result: PlanResult, path: Path, measured_step_s: float | Non
     return _save(fig, path)
 
 
-def log_report(tracker: RunTracker, result: PlanResult, measured_peaks: list[float] | None = None,
-               measured_step_s: float | None = None) -> None:
+def log_report(
+    tracker: RunTracker,
+    result: PlanResult,
+    measured_peaks: list[float] | None = None,
+    measured_step_s: float | None = None,
+) -> None:
     """The plan's table and charts as artifacts of `tracker`'s run, with what was measured where known."""
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         tracker.log_text(unit_markdown(result.plan), "plan_units.md")
-        for path in (memory_chart(result, folder / "memory.png", measured_peaks or []),
-                     strategy_chart(result.plan, folder / "strategies.png"),
-                     step_time_chart(result, folder / "step_time.png", measured_step_s)):
+        for path in (
+            memory_chart(result, folder / "memory.png", measured_peaks or []),
+            strategy_chart(result.plan, folder / "strategies.png"),
+            step_time_chart(result, folder / "step_time.png", measured_step_s),
+        ):
             tracker.log_file(path)
 
 

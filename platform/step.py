@@ -18,8 +18,9 @@ from osdp_platform.recipe import TrainSection
 Batch = tuple[torch.Tensor, torch.Tensor]  # inputs, next-token targets
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Iterable[Batch],
-               grad_accum_steps: int) -> torch.Tensor:
+def train_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Iterable[Batch], grad_accum_steps: int
+) -> torch.Tensor:
     """Forward and backward over the micro batches, then one optimizer step.
 
     Returns this rank's mean loss as a detached 0-d tensor: reading it waits for the device, so the

@@ -36,7 +36,7 @@ class RunSummary:
 
     def record(self, step: int, metrics: dict[str, float]) -> None:
         """Keep one entry per step: a restart from a checkpoint re-runs steps, and the re-run wins."""
-        del self.steps[step - self.first_step:]
+        del self.steps[step - self.first_step :]
         self.steps.append(metrics)
 
     def measured(self) -> dict[str, float]:
@@ -60,8 +60,9 @@ class RunSummary:
 
     def rank_peaks(self) -> list[float]:
         """Each rank's highest measured peak (empty where the worker logged none per rank)."""
-        ranks = sorted({int(k.removeprefix(RANK_PEAK_PREFIX)) for s in self.steps for k in s
-                        if k.startswith(RANK_PEAK_PREFIX)})
+        ranks = sorted(
+            {int(k.removeprefix(RANK_PEAK_PREFIX)) for s in self.steps for k in s if k.startswith(RANK_PEAK_PREFIX)}
+        )
         return [max(s.get(f"{RANK_PEAK_PREFIX}{r}", 0.0) for s in self.steps) for r in ranks]
 
 
@@ -74,22 +75,35 @@ def _table(recipe: Recipe, summary: RunSummary) -> Table:
     pred = plan.predicted
     mib = 1024**2
     table.add_row("loss (first -> final)", f"{m[Metric.FIRST_LOSS]:.4f} -> {m[Metric.FINAL_LOSS]:.4f}", "")
-    table.add_row("step time (s, median)", f"{m[Metric.MEASURED_STEP_TIME]:.4f}",
-                  f"{pred.step_time_s:.4f}" if pred.step_time_s else "-")
-    table.add_row("throughput (samples/s)", f"{m[Metric.MEASURED_THROUGHPUT]:.1f}",
-                  f"{pred.throughput_samples_per_s:.1f}" if pred.throughput_samples_per_s else "-")
+    table.add_row(
+        "step time (s, median)",
+        f"{m[Metric.MEASURED_STEP_TIME]:.4f}",
+        f"{pred.step_time_s:.4f}" if pred.step_time_s else "-",
+    )
+    table.add_row(
+        "throughput (samples/s)",
+        f"{m[Metric.MEASURED_THROUGHPUT]:.1f}",
+        f"{pred.throughput_samples_per_s:.1f}" if pred.throughput_samples_per_s else "-",
+    )
     peak = m.get(Metric.MEASURED_PEAK_MEMORY)
-    table.add_row("peak memory (MiB, max over ranks)", f"{peak / mib:.1f}" if peak is not None else "-",
-                  f"{pred.peak_memory_bytes / mib:.1f}" if pred.peak_memory_bytes else "-")
-    table.add_row("batch (micro x accum x workers)",
-                  f"{plan.micro_batch_size} x {plan.grad_accum_steps} x {plan.world_size}", "")
+    table.add_row(
+        "peak memory (MiB, max over ranks)",
+        f"{peak / mib:.1f}" if peak is not None else "-",
+        f"{pred.peak_memory_bytes / mib:.1f}" if pred.peak_memory_bytes else "-",
+    )
+    table.add_row(
+        "batch (micro x accum x workers)", f"{plan.micro_batch_size} x {plan.grad_accum_steps} x {plan.world_size}", ""
+    )
     table.add_row("MLflow run", summary.run_id, "")
     return table
 
 
 def ray_logs_hint(console: Console) -> None:
-    console.print("Ray's logs and the workers' output: /tmp/ray/session_latest/logs on the head node "
-                  "(--verbose shows them here)", style="dim", markup=False)
+    console.print(
+        "Ray's logs and the workers' output: /tmp/ray/session_latest/logs on the head node (--verbose shows them here)",
+        style="dim",
+        markup=False,
+    )
 
 
 def warn_on(console: Console) -> Callable[[str], None]:
@@ -97,8 +111,9 @@ def warn_on(console: Console) -> Callable[[str], None]:
     return lambda message: console.print(f"warning: {message}", style="yellow", markup=False, highlight=False)
 
 
-def _train(trainer: TorchTrainer, recipe: Recipe, summary: RunSummary, tracker: RunTracker, inbox: Any,
-           console: Console) -> None:
+def _train(
+    trainer: TorchTrainer, recipe: Recipe, summary: RunSummary, tracker: RunTracker, inbox: Any, console: Console
+) -> None:
     """Run the workers with a progress bar while the pump moves their metrics, and node samples, to MLflow."""
     done = threading.Event()
     samplers = NodeSamplers(inbox).start()
@@ -108,8 +123,9 @@ def _train(trainer: TorchTrainer, recipe: Recipe, summary: RunSummary, tracker: 
 
         def on_metrics(step: int, metrics: dict[str, float]) -> None:
             summary.record(step, metrics)
-            progress.update(task, completed=step + 1,
-                            description=f"loss {metrics['loss']:.3f}  {metrics['tokens_per_s']:.0f} tok/s")
+            progress.update(
+                task, completed=step + 1, description=f"loss {metrics['loss']:.3f}  {metrics['tokens_per_s']:.0f} tok/s"
+            )
 
         pump = threading.Thread(target=MetricsPump(inbox, tracker, on_metrics).run, args=(done,), daemon=True)
         pump.start()
@@ -121,9 +137,16 @@ def _train(trainer: TorchTrainer, recipe: Recipe, summary: RunSummary, tracker: 
             pump.join()
 
 
-def submit(recipe: Recipe, address: str | None = None, console: Console | None = None, resume: str | None = None,
-           train_fn: Callable[[dict[str, Any]], None] = train_loop, planned: PlanResult | None = None,
-           tags: Mapping[str, str] | None = None, verbose: bool = False) -> RunSummary:
+def submit(
+    recipe: Recipe,
+    address: str | None = None,
+    console: Console | None = None,
+    resume: str | None = None,
+    train_fn: Callable[[dict[str, Any]], None] = train_loop,
+    planned: PlanResult | None = None,
+    tags: Mapping[str, str] | None = None,
+    verbose: bool = False,
+) -> RunSummary:
     """Plan and train `recipe`; `resume` is an earlier run's MLflow id to continue from its last checkpoint.
 
     A resumed run is a new MLflow run (tagged resumed_from_run): it may use another plan or worker count,
@@ -152,16 +175,26 @@ def submit(recipe: Recipe, address: str | None = None, console: Console | None =
     inbox = MetricsInbox.options(scheduling_strategy=beside_the_driver()).remote()  # type: ignore[attr-defined]
     trainer = TorchTrainer(
         train_fn,
-        train_loop_config=dict(WorkerConfig(recipe=recipe, plan=plan, inbox=inbox,
-                                            resume_from=point.path if point else None,
-                                            checkpoint_root=storage_root(recipe.train))),
-        scaling_config=ScalingConfig(num_workers=recipe.hardware.world_size,
-                                     use_gpu=recipe.hardware.accelerator == "gpu",
-                                     resources_per_worker={"CPU": 1, **pool_request(recipe.hardware)}),
-        run_config=RunConfig(name=f"{recipe.name}-{tracker.run_id[:8]}",
-                             storage_path=storage_root(recipe.train),
-                             checkpoint_config=CheckpointConfig(num_to_keep=recipe.train.checkpoints_to_keep),
-                             failure_config=FailureConfig(max_failures=recipe.train.max_failures)),
+        train_loop_config=dict(
+            WorkerConfig(
+                recipe=recipe,
+                plan=plan,
+                inbox=inbox,
+                resume_from=point.path if point else None,
+                checkpoint_root=storage_root(recipe.train),
+            )
+        ),
+        scaling_config=ScalingConfig(
+            num_workers=recipe.hardware.world_size,
+            use_gpu=recipe.hardware.accelerator == "gpu",
+            resources_per_worker={"CPU": 1, **pool_request(recipe.hardware)},
+        ),
+        run_config=RunConfig(
+            name=f"{recipe.name}-{tracker.run_id[:8]}",
+            storage_path=storage_root(recipe.train),
+            checkpoint_config=CheckpointConfig(num_to_keep=recipe.train.checkpoints_to_keep),
+            failure_config=FailureConfig(max_failures=recipe.train.max_failures),
+        ),
     )
     try:
         _train(trainer, recipe, summary, tracker, inbox, console)

@@ -38,8 +38,12 @@ def expand(overrides: list[str]) -> list[list[str]]:
             continue
         values = [v.strip() for v in value.split(",")]
         if not key or not all(values):
-            raise UserError("override", item, "is not key=a,b,... (an empty key or value)",
-                            "write it as section.key=a,b, e.g. planner.name=osdp,zero3")
+            raise UserError(
+                "override",
+                item,
+                "is not key=a,b,... (an empty key or value)",
+                "write it as section.key=a,b, e.g. planner.name=osdp,zero3",
+            )
         choices.append([f"{key}={v}" for v in values])
     return [list(cell) for cell in itertools.product(*choices)]
 
@@ -58,13 +62,23 @@ def _cells(recipe_path: str | Path, overrides: list[str]) -> list[Cell]:
     cells = [Cell(" ".join(cell[i] for i in varying) or "(one cell)", load_recipe(recipe_path, cell)) for cell in grid]
     stores = {(c.recipe.tracking.resolved_uri, c.recipe.tracking.experiment) for c in cells}
     if len(stores) > 1:
-        raise UserError("tracking", sorted(stores), "a sweep records every cell in one MLflow experiment",
-                        "do not vary tracking.* across the grid")
+        raise UserError(
+            "tracking",
+            sorted(stores),
+            "a sweep records every cell in one MLflow experiment",
+            "do not vary tracking.* across the grid",
+        )
     return cells
 
 
-def sweep(recipe_path: str | Path, overrides: list[str], address: str | None = None, console: Console | None = None,
-          fmt: Format = "table", verbose: bool = False) -> list[Row]:
+def sweep(
+    recipe_path: str | Path,
+    overrides: list[str],
+    address: str | None = None,
+    console: Console | None = None,
+    fmt: Format = "table",
+    verbose: bool = False,
+) -> list[Row]:
     console = console or Console()
     cells = _cells(recipe_path, overrides)
     first = cells[0].recipe

@@ -46,9 +46,11 @@ def sample() -> dict[str, float]:
     import psutil
 
     memory = psutil.virtual_memory()
-    return {"cpu_utilization_percentage": psutil.cpu_percent(),
-            "system_memory_usage_megabytes": memory.used / 1e6,
-            "system_memory_usage_percentage": memory.percent} | _gpus()
+    return {
+        "cpu_utilization_percentage": psutil.cpu_percent(),
+        "system_memory_usage_megabytes": memory.used / 1e6,
+        "system_memory_usage_percentage": memory.percent,
+    } | _gpus()
 
 
 @ray.remote(num_cpus=0)
@@ -98,7 +100,8 @@ class NodeSamplers:
                 label = address if addresses.count(address) == 1 else f"{address}-{n['NodeID'][:8]}"
                 strategy = NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
                 self.samplers[n["NodeID"]] = NodeSampler.options(  # type: ignore[attr-defined]
-                    scheduling_strategy=strategy).remote(self.inbox, label, self.every_s)
+                    scheduling_strategy=strategy
+                ).remote(self.inbox, label, self.every_s)
 
     def stop(self) -> None:
         with self.lock:

@@ -71,13 +71,21 @@ def load_tokenizer(name: str | None) -> Tokenizer:
         return ByteTokenizer()
     path = BPE_PATH if name == SHIPPED_BPE else Path(name)
     if not path.is_file():
-        raise UserError("data.tokenizer", name, "is neither bytes, bpe nor an existing tokenizer JSON file",
-                        "use bytes, bpe, or the path of a tokenizers JSON file (tokenizer.json)")
+        raise UserError(
+            "data.tokenizer",
+            name,
+            "is neither bytes, bpe nor an existing tokenizer JSON file",
+            "use bytes, bpe, or the path of a tokenizers JSON file (tokenizer.json)",
+        )
     try:
         vocab = _load_file(str(path)).get_vocab_size()
     except Exception as exc:  # the tokenizers library raises its own exception types for unreadable files
-        raise UserError("data.tokenizer", name, f"cannot be read by the tokenizers library ({exc})",
-                        "give a tokenizer.json saved by tokenizers (Tokenizer.save)") from None
+        raise UserError(
+            "data.tokenizer",
+            name,
+            f"cannot be read by the tokenizers library ({exc})",
+            "give a tokenizer.json saved by tokenizers (Tokenizer.save)",
+        ) from None
     return FileTokenizer(name, path, int(vocab))
 
 
@@ -89,8 +97,9 @@ def train_bpe(files: Iterable[Path], vocab_size: int) -> Any:
     tokenizer = HFTokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
     tokenizer.train([str(f) for f in files], trainer)
     return tokenizer
 
@@ -132,6 +141,9 @@ def check_model_vocab(model: dict[str, Any], data_vocab: int, tokenizer: str) ->
         return
     if found is not None and found[1] < data_vocab:
         field, vocab = found
-        raise UserError(field, vocab, f"the model's vocabulary is smaller than the {data_vocab} token ids of "
-                                      f"tokenizer {tokenizer!r}",
-                        f"set {field}={data_vocab} (or more), or use a tokenizer with a smaller vocabulary")
+        raise UserError(
+            field,
+            vocab,
+            f"the model's vocabulary is smaller than the {data_vocab} token ids of tokenizer {tokenizer!r}",
+            f"set {field}={data_vocab} (or more), or use a tokenizer with a smaller vocabulary",
+        )

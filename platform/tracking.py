@@ -130,9 +130,12 @@ def _names(items: list[str]) -> str:
 def plan_params(plan: Plan) -> dict[str, str]:
     """The plan's shape in a few params: batch, units per strategy, split factors, checkpointed units."""
     out: dict[str, int | str] = {
-        "plan.micro_batch_size": plan.micro_batch_size, "plan.grad_accum_steps": plan.grad_accum_steps,
-        "plan.global_batch_size": plan.global_batch_size, "plan.world_size": plan.world_size,
-        "plan.units": len(plan.units)}
+        "plan.micro_batch_size": plan.micro_batch_size,
+        "plan.grad_accum_steps": plan.grad_accum_steps,
+        "plan.global_batch_size": plan.global_batch_size,
+        "plan.world_size": plan.world_size,
+        "plan.units": len(plan.units),
+    }
     for u in plan.units:
         kind = f"hsdp_g{u.shard_group_size}" if u.strategy.value == "hsdp" else u.strategy.value
         out[f"plan.units.{kind}"] = int(out.get(f"plan.units.{kind}", 0)) + 1
@@ -178,8 +181,12 @@ def check_reachable(uri: str) -> None:
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
     if not _answers(uri):
-        raise UserError("tracking.uri", uri, "the MLflow tracking server does not answer",
-                        "start it (mlflow server ...), or leave tracking.uri unset for a local sqlite file")
+        raise UserError(
+            "tracking.uri",
+            uri,
+            "the MLflow tracking server does not answer",
+            "start it (mlflow server ...), or leave tracking.uri unset for a local sqlite file",
+        )
 
 
 def _source_tags() -> dict[str, str]:
@@ -187,8 +194,11 @@ def _source_tags() -> dict[str, str]:
     tags = resolve_tags()
     if MLFLOW_GIT_COMMIT not in tags:
         here = os.getcwd()
-        found = {MLFLOW_GIT_COMMIT: git_utils.get_git_commit(here), MLFLOW_GIT_BRANCH: git_utils.get_git_branch(here),
-                 MLFLOW_GIT_REPO_URL: git_utils.get_git_repo_url(here)}
+        found = {
+            MLFLOW_GIT_COMMIT: git_utils.get_git_commit(here),
+            MLFLOW_GIT_BRANCH: git_utils.get_git_branch(here),
+            MLFLOW_GIT_REPO_URL: git_utils.get_git_repo_url(here),
+        }
         tags |= {k: v for k, v in found.items() if v}
     return tags
 
@@ -210,8 +220,15 @@ class RunTracker:
     pending: PendingWrites | None = None
 
     @classmethod
-    def create(cls, uri: str, experiment: str, name: str, tags: Mapping[str, str],
-               warn: Callable[[str], None] | None = None, wait_for_server_s: float = 0.0) -> "RunTracker":
+    def create(
+        cls,
+        uri: str,
+        experiment: str,
+        name: str,
+        tags: Mapping[str, str],
+        warn: Callable[[str], None] | None = None,
+        wait_for_server_s: float = 0.0,
+    ) -> "RunTracker":
         check_reachable(uri)
         client = MlflowClient(uri)
         tags = _source_tags() | {str(k): str(v) for k, v in tags.items()}
@@ -219,22 +236,39 @@ class RunTracker:
         return cls(uri, run.info.run_id, warn=warn or log.warning, wait_for_server_s=wait_for_server_s)
 
     @classmethod
-    def start(cls, recipe: Recipe, kind: RunKind, plan: Plan | None = None, tags: Mapping[str, str] | None = None,
-              warn: Callable[[str], None] | None = None) -> "RunTracker":
+    def start(
+        cls,
+        recipe: Recipe,
+        kind: RunKind,
+        plan: Plan | None = None,
+        tags: Mapping[str, str] | None = None,
+        warn: Callable[[str], None] | None = None,
+    ) -> "RunTracker":
         """A run for `recipe` with its tags, params, recipe.yaml and, given a plan, the plan and its predictions."""
-        ours = {Tag.KIND: kind, Tag.PLANNER: recipe.planner.name, Tag.MODEL: recipe.model.label,
-                Tag.HARDWARE: hardware_label(recipe), Tag.WORLD_SIZE: str(recipe.hardware.world_size),
-                Tag.RECIPE_HASH: recipe_hash(recipe)}
+        ours = {
+            Tag.KIND: kind,
+            Tag.PLANNER: recipe.planner.name,
+            Tag.MODEL: recipe.model.label,
+            Tag.HARDWARE: hardware_label(recipe),
+            Tag.WORLD_SIZE: str(recipe.hardware.world_size),
+            Tag.RECIPE_HASH: recipe_hash(recipe),
+        }
         if plan is not None:
             ours |= {Tag.STRUCTURE_HASH: plan.structure_hash, Tag.PLAN_HASH: plan_hash(plan)}
         if kind is RunKind.PLAN:
             ours[Tag.PLAN_STATUS] = PLANNED if plan is not None else DOES_NOT_FIT
-        tracker = cls.create(recipe.tracking.resolved_uri, recipe.tracking.experiment, recipe.name,
-                             ours | dict(tags or {}), warn, recipe.tracking.wait_for_server_s)
+        tracker = cls.create(
+            recipe.tracking.resolved_uri,
+            recipe.tracking.experiment,
+            recipe.name,
+            ours | dict(tags or {}),
+            warn,
+            recipe.tracking.wait_for_server_s,
+        )
         params = sorted((flatten(recipe) | (plan_params(plan) if plan is not None else {})).items())
         client = MlflowClient(tracker.uri)
         for i in range(0, len(params), MAX_PARAMS_PER_BATCH):
-            client.log_batch(tracker.run_id, params=[Param(k, v) for k, v in params[i:i + MAX_PARAMS_PER_BATCH]])
+            client.log_batch(tracker.run_id, params=[Param(k, v) for k, v in params[i : i + MAX_PARAMS_PER_BATCH]])
         client.log_text(tracker.run_id, recipe_to_yaml(recipe), "recipe.yaml")
         if plan is not None:
             client.log_text(tracker.run_id, plan.to_json(), "plan.json")
@@ -242,8 +276,9 @@ class RunTracker:
         return tracker
 
     @classmethod
-    def start_comparison(cls, uri: str, experiment_id: str, run_ids: list[str],
-                         tags: Mapping[str, str] | None = None) -> "RunTracker":
+    def start_comparison(
+        cls, uri: str, experiment_id: str, run_ids: list[str], tags: Mapping[str, str] | None = None
+    ) -> "RunTracker":
         experiment = MlflowClient(uri).get_experiment(experiment_id).name
         ours = {Tag.KIND: RunKind.COMPARISON, Tag.COMPARED_RUNS: " ".join(run_ids)}
         return cls.create(uri, experiment, "comparison", ours | dict(tags or {}))
@@ -254,7 +289,7 @@ class RunTracker:
         """(step, time in ms, metrics) rows, each stamped with its own time, in as few requests as MLflow allows."""
         rows = [[str(k), float(v), ms, step] for step, ms, metrics in samples for k, v in metrics.items()]
         for i in range(0, len(rows), MAX_METRICS_PER_BATCH):
-            self._write({"kind": "metrics", "rows": rows[i:i + MAX_METRICS_PER_BATCH]})
+            self._write({"kind": "metrics", "rows": rows[i : i + MAX_METRICS_PER_BATCH]})
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         self.log_samples([(step, int(time.time() * 1000), metrics)])
@@ -286,16 +321,20 @@ class RunTracker:
             return
         try:
             if self.wait_for_server_s > 0:
-                self.warn(f"waiting up to {self.wait_for_server_s:.0f} s for MLflow at {self.uri} to answer "
-                          "(Ctrl-C stops waiting; nothing is lost)")
+                self.warn(
+                    f"waiting up to {self.wait_for_server_s:.0f} s for MLflow at {self.uri} to answer "
+                    "(Ctrl-C stops waiting; nothing is lost)"
+                )
                 deadline = time.monotonic() + self.wait_for_server_s
                 while not self._catch_up() and time.monotonic() < deadline:
                     time.sleep(RETRY_EVERY_S)
         finally:
             if self.pending is not None:
-                self.warn(f"MLflow at {self.uri} still does not answer: {len(self.pending.writes())} writes of "
-                          f"run {self.run_id} (metrics, tags, artifacts, its end) are kept in {self.pending.folder}; "
-                          f"upload them with `osdp-platform sync {self.pending.folder}`")
+                self.warn(
+                    f"MLflow at {self.uri} still does not answer: {len(self.pending.writes())} writes of "
+                    f"run {self.run_id} (metrics, tags, artifacts, its end) are kept in {self.pending.folder}; "
+                    f"upload them with `osdp-platform sync {self.pending.folder}`"
+                )
 
     @classmethod
     def sync(cls, folder: Path, warn: Callable[[str], None] | None = None) -> bool:
@@ -316,8 +355,10 @@ class RunTracker:
                 raise
             folder = self._keep(write)
             reason = str(exc).splitlines()[0][:160]
-            self.warn(f"MLflow at {self.uri} does not answer ({reason}); training goes on, and this run's "
-                      f"metrics, tags and artifacts are kept in {folder} and uploaded when it answers again")
+            self.warn(
+                f"MLflow at {self.uri} does not answer ({reason}); training goes on, and this run's "
+                f"metrics, tags and artifacts are kept in {folder} and uploaded when it answers again"
+            )
 
     def _keep(self, write: Write) -> Path:
         if self.pending is None:
@@ -384,8 +425,12 @@ def recorded_checkpoint(uri: str, run_id: str) -> RecordedCheckpoint | None:
     try:
         tags = client.get_run(run_id).data.tags
     except MlflowException:
-        raise UserError("--resume", run_id, f"no MLflow run with this id in the tracking store {uri}",
-                        "pass the run id that submit printed (MLflow run), with the same tracking.uri") from None
+        raise UserError(
+            "--resume",
+            run_id,
+            f"no MLflow run with this id in the tracking store {uri}",
+            "pass the run id that submit printed (MLflow run), with the same tracking.uri",
+        ) from None
     if Tag.CHECKPOINT_PATH not in tags:
         return None
     return RecordedCheckpoint(tags[Tag.CHECKPOINT_PATH], int(tags[Tag.CHECKPOINT_STEP]), _plan_of(client, run_id))
@@ -408,9 +453,12 @@ class RunRecord:
 
     def baseline_throughputs(self) -> dict[str, float]:
         """Predicted samples/s of each uniform plan that fits, by strategy."""
-        return {name: self.metrics[baseline_metric(name, "throughput_samples_per_s")] for name in STRATEGIES
-                if self.metrics.get(baseline_metric(name, "fits")) == 1.0
-                and baseline_metric(name, "throughput_samples_per_s") in self.metrics}
+        return {
+            name: self.metrics[baseline_metric(name, "throughput_samples_per_s")]
+            for name in STRATEGIES
+            if self.metrics.get(baseline_metric(name, "fits")) == 1.0
+            and baseline_metric(name, "throughput_samples_per_s") in self.metrics
+        }
 
 
 def _record(run: Run) -> RunRecord:
@@ -420,8 +468,18 @@ def _record(run: Run) -> RunRecord:
     status = tags.get(Tag.PLAN_STATUS, PLANNED) if kind == RunKind.PLAN else info.status.lower()
     micro, accum, world = (data.params.get(f"plan.{k}") for k in ("micro_batch_size", "grad_accum_steps", "world_size"))
     batch = (int(micro), int(accum), int(world)) if micro and accum and world else None
-    return RunRecord(info.run_id, info.run_name or "", info.experiment_id, kind, status, tags.get(Tag.PLANNER, ""),
-                     tags.get(Tag.MODEL, ""), tags.get(MLFLOW_RUN_NOTE, ""), batch, dict(data.metrics))
+    return RunRecord(
+        info.run_id,
+        info.run_name or "",
+        info.experiment_id,
+        kind,
+        status,
+        tags.get(Tag.PLANNER, ""),
+        tags.get(Tag.MODEL, ""),
+        tags.get(MLFLOW_RUN_NOTE, ""),
+        batch,
+        dict(data.metrics),
+    )
 
 
 def run_records(uri: str, run_ids: list[str], experiment: str | None, sweep: str | None = None) -> list[RunRecord]:
@@ -434,14 +492,22 @@ def run_records(uri: str, run_ids: list[str], experiment: str | None, sweep: str
             try:
                 runs.append(client.get_run(run_id))
             except MlflowException:
-                raise UserError("RUN_ID", run_id, f"no MLflow run with this id in {uri}",
-                                "pass ids that submit, plan --track or sweep printed, with the same --uri") from None
+                raise UserError(
+                    "RUN_ID",
+                    run_id,
+                    f"no MLflow run with this id in {uri}",
+                    "pass ids that submit, plan --track or sweep printed, with the same --uri",
+                ) from None
         return [_record(r) for r in runs]
     found = client.get_experiment_by_name(experiment) if experiment else None
     if found is None:
         names = ", ".join(e.name for e in client.search_experiments())
-        raise UserError("--experiment", experiment, f"no such experiment in {uri} (it has: {names or 'none'})",
-                        "pass --experiment NAME (the recipe's tracking.experiment) or run ids")
+        raise UserError(
+            "--experiment",
+            experiment,
+            f"no such experiment in {uri} (it has: {names or 'none'})",
+            "pass --experiment NAME (the recipe's tracking.experiment) or run ids",
+        )
     where = f"tags.{Tag.SWEEP} = '{sweep}'" if sweep else ""
     runs = client.search_runs([found.experiment_id], where, max_results=1000, order_by=["attributes.start_time ASC"])
     return [r for r in map(_record, runs) if r.kind != RunKind.COMPARISON]

@@ -75,8 +75,14 @@ def _per_rank(elapsed: float, peak: int | None, world: int, device: torch.device
     return [float(t[0]) for t in gathered], [float(t[1]) for t in gathered]
 
 
-def timed_step(model: nn.Module, optimizer: torch.optim.Optimizer, one_step: Callable[[], None],
-               device: torch.device, world: int, probe: bool) -> tuple[list[float], list[float], int | None]:
+def timed_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    one_step: Callable[[], None],
+    device: torch.device,
+    world: int,
+    probe: bool,
+) -> tuple[list[float], list[float], int | None]:
     """Run one step from a barrier: every rank's time and peak memory, and this rank's peak (None unprobed).
 
     The step's time is the slowest rank's (`max` of the first list): the others wait for it at the

@@ -51,15 +51,18 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """forward(tokens [batch, seq]) -> logits [batch, seq, vocab]; vocab must cover the data's 256 bytes."""
 
-    def __init__(self, vocab_size: int = 256, block_size: int = 256, n_layer: int = 4, n_head: int = 4,
-                 n_embd: int = 128) -> None:
+    def __init__(
+        self, vocab_size: int = 256, block_size: int = 256, n_layer: int = 4, n_head: int = 4, n_embd: int = 128
+    ) -> None:
         super().__init__()
-        self.transformer = nn.ModuleDict({
-            "wte": nn.Embedding(vocab_size, n_embd),
-            "wpe": nn.Embedding(block_size, n_embd),
-            "h": nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer)),
-            "ln_f": nn.LayerNorm(n_embd),
-        })
+        self.transformer = nn.ModuleDict(
+            {
+                "wte": nn.Embedding(vocab_size, n_embd),
+                "wpe": nn.Embedding(block_size, n_embd),
+                "h": nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer)),
+                "ln_f": nn.LayerNorm(n_embd),
+            }
+        )
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight
         self.apply(self._init)

@@ -17,7 +17,8 @@ from ray.autoscaler._private.fake_multi_node.node_provider import FakeMultiNodeP
 
 class FakeNodesWithOwnDisks(FakeMultiNodeProvider):
     def _create_node_with_resources_and_labels(self, node_config, tags, count, resources, labels):  # type: ignore[no-untyped-def]
-        params = functools.partial(ray._private.parameter.RayParams,
-                                   runtime_env_dir_name=f"runtime_resources_{uuid.uuid4().hex[:8]}")
+        params = functools.partial(
+            ray._private.parameter.RayParams, runtime_env_dir_name=f"runtime_resources_{uuid.uuid4().hex[:8]}"
+        )
         with mock.patch.object(ray._private.parameter, "RayParams", params):
             super()._create_node_with_resources_and_labels(node_config, tags, count, resources, labels)

@@ -37,10 +37,26 @@ class MlflowServer:
     def start(self) -> None:
         log = (self.root / "server.log").open("ab")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{self.root}/mlflow.db",
-             "--artifacts-destination", str(self.root / "artifacts"), "--host", "127.0.0.1",
-             "--port", str(self.port), "--workers", "1"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "mlflow",
+                "server",
+                "--backend-store-uri",
+                f"sqlite:///{self.root}/mlflow.db",
+                "--artifacts-destination",
+                str(self.root / "artifacts"),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--workers",
+                "1",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             assert self.process.poll() is None, (self.root / "server.log").read_text()[-3000:]

@@ -37,8 +37,12 @@ STOP_TIMEOUT_S = 30
 def client_env() -> dict[str, str]:
     """The environment for a client of the head (a CLI subprocess): loopback only, no token."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0",
-               PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}")
+    env.update(
+        RAY_AUTH_MODE="disabled",
+        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+        RAY_USAGE_STATS_ENABLED="0",
+        PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}",
+    )
     return env
 
 
@@ -54,16 +58,19 @@ def _free_ports(count: int) -> list[int]:
     return ports
 
 
-def fake_autoscaling_config(gcs_address: str, node_types: dict[str, dict[str, float]], max_workers: int,
-                            idle_timeout_s: float) -> dict[str, Any]:
+def fake_autoscaling_config(
+    gcs_address: str, node_types: dict[str, dict[str, float]], max_workers: int, idle_timeout_s: float
+) -> dict[str, Any]:
     """An autoscaler config for Ray's fake multi-node provider: a head without CPUs and on-demand node types.
 
     The wheel lacks the fake provider's default config, so the provider is named by module (type
     `external`: `tests/fake_nodes.py`, Ray's fake provider with a folder of its own per node) and every
     field the defaults would fill is given here.
     """
-    workers = {name: {"resources": resources, "node_config": {}, "min_workers": 0, "max_workers": max_workers}
-               for name, resources in node_types.items()}
+    workers = {
+        name: {"resources": resources, "node_config": {}, "min_workers": 0, "max_workers": max_workers}
+        for name, resources in node_types.items()
+    }
     return {
         "cluster_name": "osdp-fake",
         "max_workers": max_workers * len(node_types),
@@ -83,9 +90,15 @@ def fake_autoscaling_config(gcs_address: str, node_types: dict[str, dict[str, fl
             "ray.head.default": {"resources": {"CPU": 0}, "node_config": {}, "max_workers": 0},
             **workers,
         },
-        "file_mounts": {}, "cluster_synced_files": [], "file_mounts_sync_continuously": False,
-        "initialization_commands": [], "setup_commands": [], "head_setup_commands": [],
-        "worker_setup_commands": [], "head_start_ray_commands": [], "worker_start_ray_commands": [],
+        "file_mounts": {},
+        "cluster_synced_files": [],
+        "file_mounts_sync_continuously": False,
+        "initialization_commands": [],
+        "setup_commands": [],
+        "head_setup_commands": [],
+        "worker_setup_commands": [],
+        "head_start_ray_commands": [],
+        "worker_start_ray_commands": [],
     }
 
 
@@ -99,8 +112,9 @@ class RayHead:
 
     def alive_nodes(self) -> list[dict[str, Any]]:
         """Nodes the head reports alive, through its dashboard (no driver, so nothing to clash with)."""
-        nodes = list_nodes(address=self.dashboard_url, filters=[("state", "=", "ALIVE")], detail=True,
-                           raise_on_missing_output=False)
+        nodes = list_nodes(
+            address=self.dashboard_url, filters=[("state", "=", "ALIVE")], detail=True, raise_on_missing_output=False
+        )
         return [{"id": n.node_id, "head": n.is_head_node, "resources": n.resources_total} for n in nodes]
 
     def worker_nodes(self) -> list[dict[str, Any]]:
@@ -108,8 +122,12 @@ class RayHead:
 
     def actor_nodes(self, class_name: str) -> list[str]:
         """The node of every actor of `class_name` this cluster ran, finished ones included."""
-        actors = list_actors(address=self.dashboard_url, filters=[("class_name", "=", class_name)], detail=True,
-                             raise_on_missing_output=False)
+        actors = list_actors(
+            address=self.dashboard_url,
+            filters=[("class_name", "=", class_name)],
+            detail=True,
+            raise_on_missing_output=False,
+        )
         return [a.node_id for a in actors]
 
     def processes(self) -> list[psutil.Process]:
@@ -152,32 +170,56 @@ def _wait_for_dashboard(url: str, proc: subprocess.Popen, log: Path, timeout_s: 
     raise RuntimeError(f"the head's dashboard did not answer within {timeout_s} s:\n{log.read_text()[-3000:]}")
 
 
-def start_head(base: Path, num_cpus: int, node_types: dict[str, dict[str, float]] | None = None,
-               max_workers: int = 2, idle_timeout_s: float = 15, timeout_s: float = 120) -> RayHead:
+def start_head(
+    base: Path,
+    num_cpus: int,
+    node_types: dict[str, dict[str, float]] | None = None,
+    max_workers: int = 2,
+    idle_timeout_s: float = 15,
+    timeout_s: float = 120,
+) -> RayHead:
     """Start a head on 127.0.0.1 with its own ports and temp dir; with `node_types`, an autoscaling one."""
     temp_dir = base / "ray"
     gcs, dashboard, client, agent_http, agent_grpc, metrics, runtime_env, node_manager, object_manager = _free_ports(9)
     gcs_address = f"{LOOPBACK}:{gcs}"
     env = client_env()
     env.update(RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")
-    cmd = [str(Path(VENV_BIN) / "ray"), "start", "--head", "--block", f"--node-ip-address={LOOPBACK}",
-           f"--port={gcs}", f"--dashboard-host={LOOPBACK}", f"--dashboard-port={dashboard}",
-           f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent_http}",
-           f"--dashboard-agent-grpc-port={agent_grpc}", f"--metrics-export-port={metrics}",
-           f"--runtime-env-agent-port={runtime_env}", f"--node-manager-port={node_manager}",
-           f"--object-manager-port={object_manager}", f"--num-cpus={num_cpus}", "--object-store-memory=200000000",
-           f"--temp-dir={temp_dir}", "--disable-usage-stats"]
+    cmd = [
+        str(Path(VENV_BIN) / "ray"),
+        "start",
+        "--head",
+        "--block",
+        f"--node-ip-address={LOOPBACK}",
+        f"--port={gcs}",
+        f"--dashboard-host={LOOPBACK}",
+        f"--dashboard-port={dashboard}",
+        f"--ray-client-server-port={client}",
+        f"--dashboard-agent-listen-port={agent_http}",
+        f"--dashboard-agent-grpc-port={agent_grpc}",
+        f"--metrics-export-port={metrics}",
+        f"--runtime-env-agent-port={runtime_env}",
+        f"--node-manager-port={node_manager}",
+        f"--object-manager-port={object_manager}",
+        f"--num-cpus={num_cpus}",
+        "--object-store-memory=200000000",
+        f"--temp-dir={temp_dir}",
+        "--disable-usage-stats",
+    ]
     if node_types is not None:
         config = base / "autoscaling.json"
         config.write_text(json.dumps(fake_autoscaling_config(gcs_address, node_types, max_workers, idle_timeout_s)))
         cmd.append(f"--autoscaling-config={config}")
-        env.update(PYTHONPATH=os.pathsep.join(filter(None, [TESTS_DIR, env.get("PYTHONPATH")])),
-                   RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1", RAY_enable_autoscaler_v2="1",
-                   RAY_CLOUD_INSTANCE_ID=FAKE_HEAD_NODE_ID, RAY_OVERRIDE_NODE_ID_FOR_TESTING=FAKE_HEAD_NODE_ID)
+        env.update(
+            PYTHONPATH=os.pathsep.join(filter(None, [TESTS_DIR, env.get("PYTHONPATH")])),
+            RAY_FAKE_CLUSTER="1",
+            AUTOSCALER_UPDATE_INTERVAL_S="1",
+            RAY_enable_autoscaler_v2="1",
+            RAY_CLOUD_INSTANCE_ID=FAKE_HEAD_NODE_ID,
+            RAY_OVERRIDE_NODE_ID_FOR_TESTING=FAKE_HEAD_NODE_ID,
+        )
     log = base / "head.log"
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=base,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=base, start_new_session=True)
     head = RayHead(proc, temp_dir, gcs_address, f"http://{LOOPBACK}:{dashboard}", f"ray://{LOOPBACK}:{client}")
     try:
         _wait_for_dashboard(head.dashboard_url, proc, log, timeout_s)

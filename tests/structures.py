@@ -61,9 +61,15 @@ class ModuleDictGPT(nn.Module):
 
     def __init__(self, dim: int = 30, layers: int = 2, max_len: int = 64) -> None:
         super().__init__()
-        self.transformer = nn.ModuleDict({
-            "wte": nn.Embedding(VOCAB, dim), "wpe": nn.Embedding(max_len, dim), "drop": nn.Dropout(0.0),
-            "h": nn.ModuleList(Block(dim) for _ in range(layers)), "ln_f": nn.LayerNorm(dim)})
+        self.transformer = nn.ModuleDict(
+            {
+                "wte": nn.Embedding(VOCAB, dim),
+                "wpe": nn.Embedding(max_len, dim),
+                "drop": nn.Dropout(0.0),
+                "h": nn.ModuleList(Block(dim) for _ in range(layers)),
+                "ln_f": nn.LayerNorm(dim),
+            }
+        )
         self.lm_head = nn.Linear(dim, VOCAB, bias=False)
         self.lm_head.weight = self.transformer.wte.weight
 

@@ -45,8 +45,9 @@ def _peaks(config: dict[str, Any]) -> None:
         opt = build_optimizer(model, recipe.train)
         batches = [sampler.micro_batches(s, 1, plan.micro_batch_size, rank, world) for s in range(2)]
         train_step(model, opt, batches[0], 1)
-        peak = measure_step_peak(model, opt, lambda b=batches[1], m=model, o=opt: train_step(m, o, b, 1),
-                                 torch.device("cpu"))
+        peak = measure_step_peak(
+            model, opt, lambda b=batches[1], m=model, o=opt: train_step(m, o, b, 1), torch.device("cpu")
+        )
         gathered = [None] * world
         torch.distributed.all_gather_object(gathered, peak)
         out[family] = max(gathered)
@@ -65,17 +66,26 @@ def _advised_budget(recipe: Recipe) -> float:
 def test_training_at_the_advised_minimum_stays_within_it(ray_cluster: None) -> None:
     runs, budgets = {}, {}
     for family in FAMILIES:
-        tight = load_recipe(RECIPES / "tiny.yaml", [f"model.family={family}", "data.seq_len=32",
-                                                    "train.micro_batch_size=2", "hardware.memory_per_device_gb=0.0001"])
+        tight = load_recipe(
+            RECIPES / "tiny.yaml",
+            [
+                f"model.family={family}",
+                "data.seq_len=32",
+                "train.micro_batch_size=2",
+                "hardware.memory_per_device_gb=0.0001",
+            ],
+        )
         budgets[family] = _advised_budget(tight)
-        at_minimum = tight.model_copy(update={"hardware": tight.hardware.model_copy(
-            update={"memory_per_device_gb": budgets[family]})})
+        at_minimum = tight.model_copy(
+            update={"hardware": tight.hardware.model_copy(update={"memory_per_device_gb": budgets[family]})}
+        )
         plan = plan_recipe(at_minimum).plan
         assert plan.predicted.peak_memory_bytes <= budgets[family] * GIB
         runs[family] = (at_minimum.model_dump(mode="json"), plan.model_dump(mode="json"))
     results = Queue(actor_options={"num_cpus": 0})
-    TorchTrainer(_peaks, train_loop_config={"runs": runs, "results": results},
-                 scaling_config=ScalingConfig(num_workers=2)).fit()
+    TorchTrainer(
+        _peaks, train_loop_config={"runs": runs, "results": results}, scaling_config=ScalingConfig(num_workers=2)
+    ).fit()
     peaks = results.get(timeout=10)
     report = {f: f"{peaks[f] / GIB:.4f} of {budgets[f]:.4f} GiB" for f in FAMILIES}
     print(report)

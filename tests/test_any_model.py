@@ -51,25 +51,63 @@ SPLIT_CASES = {"plain_linears": (2, 4), "hf_like": (2, 4), "root_params_buffer":
 
 # Expected units, written out by hand from the rules in planners/units.py.
 EXPECTED_UNITS = {
-    "moduledict_gpt": ["transformer.wte+lm_head", "transformer.wpe",
-                       "transformer.h.0.ln_1+attn", "transformer.h.0.ln_2+mlp",
-                       "transformer.h.1.ln_1+attn", "transformer.h.1.ln_2+mlp",
-                       ROOT],  # ln_f: a norm outside blocks
-    "nested_sequential": ["embed", "stages.0.0.norm+up", "stages.0.0.down",
-                          "stages.0.1.norm+up", "stages.0.1.down", "stages.1.0.norm+up",
-                          "stages.1.0.down", "head.0", "head.2", ROOT],
-    "unequal_widths": ["blocks.0.norm+proj", "blocks.0.mix", "blocks.1.norm+proj", "blocks.1.mix",
-                       ROOT],  # the embedding's weight is read by the root's forward
-    "root_params_buffer": ["embed", "blocks.0.norm+up", "blocks.0.down", "blocks.1.norm+up",
-                           "blocks.1.down", "lm_head", ROOT],  # gain and the never-run `unused`
-    "tied_across": ["parts.embed+head", "blocks.0.norm+down", "blocks.0.up+blocks.1.up",
-                    "blocks.1.norm+down", ROOT],
-    "reused_block": ["embed", "blocks.0.ln_1", "blocks.0.attn", "blocks.0.ln_2", "blocks.0.mlp", "blocks.1.norm",
-                     "blocks.1.ff", "head"],  # run twice: no groups
-    "hf_like": ["model.embed_tokens", "model.layers.0.self_attn+input_layernorm",
-                "model.layers.0.mlp+post_attention_layernorm",
-                "model.layers.1.self_attn+input_layernorm",
-                "model.layers.1.mlp+post_attention_layernorm", "lm_head", ROOT],
+    "moduledict_gpt": [
+        "transformer.wte+lm_head",
+        "transformer.wpe",
+        "transformer.h.0.ln_1+attn",
+        "transformer.h.0.ln_2+mlp",
+        "transformer.h.1.ln_1+attn",
+        "transformer.h.1.ln_2+mlp",
+        ROOT,
+    ],  # ln_f: a norm outside blocks
+    "nested_sequential": [
+        "embed",
+        "stages.0.0.norm+up",
+        "stages.0.0.down",
+        "stages.0.1.norm+up",
+        "stages.0.1.down",
+        "stages.1.0.norm+up",
+        "stages.1.0.down",
+        "head.0",
+        "head.2",
+        ROOT,
+    ],
+    "unequal_widths": [
+        "blocks.0.norm+proj",
+        "blocks.0.mix",
+        "blocks.1.norm+proj",
+        "blocks.1.mix",
+        ROOT,
+    ],  # the embedding's weight is read by the root's forward
+    "root_params_buffer": [
+        "embed",
+        "blocks.0.norm+up",
+        "blocks.0.down",
+        "blocks.1.norm+up",
+        "blocks.1.down",
+        "lm_head",
+        ROOT,
+    ],  # gain and the never-run `unused`
+    "tied_across": ["parts.embed+head", "blocks.0.norm+down", "blocks.0.up+blocks.1.up", "blocks.1.norm+down", ROOT],
+    "reused_block": [
+        "embed",
+        "blocks.0.ln_1",
+        "blocks.0.attn",
+        "blocks.0.ln_2",
+        "blocks.0.mlp",
+        "blocks.1.norm",
+        "blocks.1.ff",
+        "head",
+    ],  # run twice: no groups
+    "hf_like": [
+        "model.embed_tokens",
+        "model.layers.0.self_attn+input_layernorm",
+        "model.layers.0.mlp+post_attention_layernorm",
+        "model.layers.1.self_attn+input_layernorm",
+        "model.layers.1.mlp+post_attention_layernorm",
+        "lm_head",
+        ROOT,
+    ],
     "plain_linears": ["embed", "blocks.0.mix", "blocks.0.mlp", "blocks.1.mix", "blocks.1.mlp", "head"],
     "opaque_output": ["embed", "blocks.0.proj", "blocks.1.proj", "head", ROOT],  # each mlp returns a plain object
 }
@@ -80,14 +118,21 @@ def _model(structure: str) -> dict[str, Any]:
 
 
 def _recipe(structure: str, planner: str = "osdp") -> Recipe:
-    return Recipe.model_validate({
-        "model": _model(structure),
-        "data": {"source": "corpus", "seq_len": SEQ_LEN},
-        "hardware": {"workers_per_node": WORLD, "memory_per_device_gb": 1.0},
-        "planner": {"name": planner},
-        "train": {"steps": STEPS, "micro_batch_size": MICRO_BATCH, "optimizer": "sgd", "lr": 0.1,
-                  "weight_decay": 0.01},
-    })
+    return Recipe.model_validate(
+        {
+            "model": _model(structure),
+            "data": {"source": "corpus", "seq_len": SEQ_LEN},
+            "hardware": {"workers_per_node": WORLD, "memory_per_device_gb": 1.0},
+            "planner": {"name": planner},
+            "train": {
+                "steps": STEPS,
+                "micro_batch_size": MICRO_BATCH,
+                "optimizer": "sgd",
+                "lr": 0.1,
+                "weight_decay": 0.01,
+            },
+        }
+    )
 
 
 def _plan(structure: str, planner: str) -> Plan:
@@ -98,9 +143,16 @@ def _plan(structure: str, planner: str) -> Plan:
 def _split_plan(base: Plan, split: int) -> Plan:
     """Every unit split `split` ways where it has Linears, strategies mixed unit by unit."""
     req = plan_request(_recipe("plain_linears"))
-    units = [u.model_copy(update={"split": split if u.name != ROOT else 1, "strategy": MIXED[i % len(MIXED)],
-                                  "shard_group_size": group_size(MIXED[i % len(MIXED)], req)})
-             for i, u in enumerate(base.units)]
+    units = [
+        u.model_copy(
+            update={
+                "split": split if u.name != ROOT else 1,
+                "strategy": MIXED[i % len(MIXED)],
+                "shard_group_size": group_size(MIXED[i % len(MIXED)], req),
+            }
+        )
+        for i, u in enumerate(base.units)
+    ]
     return base.model_copy(update={"units": units})
 
 
@@ -194,9 +246,13 @@ def test_every_structure_and_planner_trains_like_one_process(ray_cluster: None) 
     queue = Queue(actor_options={"num_cpus": 0})
     trainer = TorchTrainer(
         _train_cases,
-        train_loop_config={"recipe": _recipe("plain_linears").model_dump(mode="json"), "results": queue,
-                           "cases": {n: (m, p.model_dump(mode="json")) for n, (m, p) in cases.items()}},
-        scaling_config=ScalingConfig(num_workers=WORLD))
+        train_loop_config={
+            "recipe": _recipe("plain_linears").model_dump(mode="json"),
+            "results": queue,
+            "cases": {n: (m, p.model_dump(mode="json")) for n, (m, p) in cases.items()},
+        },
+        scaling_config=ScalingConfig(num_workers=WORLD),
+    )
     trainer.fit()
     results = queue.get(timeout=30)
     fit_seconds = time.perf_counter() - start - plan_seconds
@@ -220,21 +276,29 @@ def test_every_structure_and_planner_trains_like_one_process(ray_cluster: None) 
 
 def _plan_cli(structure_class: str, tmp_path: Path, *extra: str) -> list[str]:
     """`plan` on a GPU preset: no CPU timing probes run, the fake-tensor profile is all it needs."""
-    return ["plan", str(RECIPES / "tiny.yaml"), "model.family=null", "model.size=null",
-            f"model.target=structures:{structure_class}", "hardware.accelerator=gpu", "hardware.preset=a100-80gb",
-            "hardware.memory_per_device_gb=null", f"data.seq_len={SEQ_LEN}", *extra]
+    return [
+        "plan",
+        str(RECIPES / "tiny.yaml"),
+        "model.family=null",
+        "model.size=null",
+        f"model.target=structures:{structure_class}",
+        "hardware.accelerator=gpu",
+        "hardware.preset=a100-80gb",
+        "hardware.memory_per_device_gb=null",
+        f"data.seq_len={SEQ_LEN}",
+        *extra,
+    ]
 
 
 @pytest.mark.parametrize("structure", list(STRUCTURES))
-def test_plan_command_prints_the_unit_table(structure: str, tmp_path: Path,
-                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_command_prints_the_unit_table(structure: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "plan.json"
     code = main(_plan_cli(STRUCTURES[structure].__name__, tmp_path, "--out", str(out)))
     printed = capsys.readouterr()
     assert code == 0, printed.err
     plan = Plan.from_file(out)
     assert [u.name for u in plan.units] == EXPECTED_UNITS[structure]
-    table = printed.out[printed.out.index(": plan by osdp"):]
+    table = printed.out[printed.out.index(": plan by osdp") :]
     assert all(name[:20] in table for name in EXPECTED_UNITS[structure])
     assert "best uniform plan" in printed.out
 
@@ -246,8 +310,9 @@ BAD_MODELS = [
 
 
 @pytest.mark.parametrize(("factory", "module", "problem"), BAD_MODELS)
-def test_plan_refuses_an_unplannable_model_with_one_message(factory: str, module: str, problem: str,
-                                                            tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_refuses_an_unplannable_model_with_one_message(
+    factory: str, module: str, problem: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     code = main(_plan_cli(factory, tmp_path))
     err = capsys.readouterr().err
     assert code == EXIT_USER_ERROR, err
@@ -256,10 +321,19 @@ def test_plan_refuses_an_unplannable_model_with_one_message(factory: str, module
 
 
 def test_submit_refuses_an_unplannable_model_from_the_planner_actor(
-        ray_cluster: None, workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["submit", str(RECIPES / "tiny.yaml"), "model.family=null", "model.size=null",
-                 "model.target=structures:ValueBranch", f"data.seq_len={SEQ_LEN}",
-                 f"tracking.uri=sqlite:///{workdir}/m.db"])
+    ray_cluster: None, workdir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(
+        [
+            "submit",
+            str(RECIPES / "tiny.yaml"),
+            "model.family=null",
+            "model.size=null",
+            "model.target=structures:ValueBranch",
+            f"data.seq_len={SEQ_LEN}",
+            f"tracking.uri=sqlite:///{workdir}/m.db",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == EXIT_USER_ERROR, err
     assert "model = 'blocks.1'" in err and "ValueGate: forward raised" in err and "fix:" in err
@@ -269,6 +343,7 @@ def test_submit_refuses_an_unplannable_model_from_the_planner_actor(
 
 def test_a_failure_anywhere_in_planning_is_one_user_error() -> None:
     """An exception from deep inside planning (here the model's own constructor) is a UserError too."""
+
     def build(_device: str) -> torch.nn.Module:
         raise RuntimeError("cannot allocate the table")
 
@@ -289,13 +364,22 @@ def test_a_manual_plan_naming_other_units_is_refused(tmp_path: Path) -> None:
     assert info.value.field == "planner.plan_file"
 
 
-def test_the_example_model_recipe_plans(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_example_model_recipe_plans(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """recipes/nanogpt.yaml as the README runs it (its folder on the path), on a GPU preset."""
     monkeypatch.syspath_prepend(str(RECIPES))
     out = tmp_path / "plan.json"
-    code = main(["plan", str(RECIPES / "nanogpt.yaml"), "hardware.accelerator=gpu", "hardware.preset=a100-80gb",
-                 "--out", str(out)])
+    code = main(
+        [
+            "plan",
+            str(RECIPES / "nanogpt.yaml"),
+            "hardware.accelerator=gpu",
+            "hardware.preset=a100-80gb",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     blocks = [f"transformer.h.{i}.{pair}" for i in range(4) for pair in ("ln_1+attn", "ln_2+mlp")]
     assert [u.name for u in Plan.from_file(out).units] == ["transformer.wte+lm_head", "transformer.wpe", *blocks, ROOT]

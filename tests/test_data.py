@@ -54,8 +54,9 @@ def test_prepare_writes_the_tokenizers_ids_and_a_manifest(prepared: Path) -> Non
 
 
 def test_token_files_are_memory_mapped_and_windows_stay_inside_one_file(prepared: Path) -> None:
-    recipe = load_recipe(RECIPES / "tiny.yaml", ["data.source=token_files", f"data.path={prepared}",
-                                                 "model.kwargs.vocab_size=1024"])
+    recipe = load_recipe(
+        RECIPES / "tiny.yaml", ["data.source=token_files", f"data.path={prepared}", "model.kwargs.vocab_size=1024"]
+    )
     tokens = load_tokens(recipe.data, 0)
     assert len(tokens.parts) == 2 and all(isinstance(p, np.memmap) for p in tokens.parts)
     sampler = BatchSampler(tokens, SEQ_LEN, 0)
@@ -72,7 +73,7 @@ def test_token_files_are_memory_mapped_and_windows_stay_inside_one_file(prepared
 
 def _contains(haystack: np.ndarray, row: np.ndarray) -> bool:
     starts = np.flatnonzero(haystack[: len(haystack) - len(row) + 1] == row[0])
-    return any(np.array_equal(haystack[s:s + len(row)], row) for s in starts)
+    return any(np.array_equal(haystack[s : s + len(row)], row) for s in starts)
 
 
 def test_sampler_is_keyed_by_step_and_workers_split_the_global_batch() -> None:
@@ -92,34 +93,56 @@ def test_sampler_is_keyed_by_step_and_workers_split_the_global_batch() -> None:
 def test_text_file_uses_the_chosen_tokenizer(tmp_path: Path) -> None:
     text = tmp_path / "t.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 20)
-    recipe = load_recipe(RECIPES / "tiny.yaml", ["data.source=text_file", f"data.path={text}", "data.tokenizer=bpe",
-                                                 "model.kwargs.vocab_size=1024"])
-    assert load_tokens(recipe.data, 0).parts[0].tolist() == HFTokenizer.from_file(str(BPE_PATH)).encode(
-        text.read_text()).ids
+    recipe = load_recipe(
+        RECIPES / "tiny.yaml",
+        ["data.source=text_file", f"data.path={text}", "data.tokenizer=bpe", "model.kwargs.vocab_size=1024"],
+    )
+    assert (
+        load_tokens(recipe.data, 0).parts[0].tolist()
+        == HFTokenizer.from_file(str(BPE_PATH)).encode(text.read_text()).ids
+    )
 
 
 def test_the_planner_profiles_on_the_tokenizers_ids(prepared: Path) -> None:
     # token_range drives the planner's profiling runs: every id the data holds, not only bytes
     bpe = HFTokenizer.from_file(str(BPE_PATH)).get_vocab_size()
-    for overrides, expected in ((["data.tokenizer=bpe", "model.kwargs.vocab_size=1024"], bpe),
-                                (["data.source=token_files", f"data.path={prepared}",
-                                  "model.kwargs.vocab_size=1024"], bpe),
-                                ([], 256)):
+    for overrides, expected in (
+        (["data.tokenizer=bpe", "model.kwargs.vocab_size=1024"], bpe),
+        (["data.source=token_files", f"data.path={prepared}", "model.kwargs.vocab_size=1024"], bpe),
+        ([], 256),
+    ):
         assert plan_request(load_recipe(RECIPES / "tiny.yaml", overrides)).token_range == expected, overrides
 
 
-@pytest.mark.parametrize(("args", "words"), [
-    (["validate", str(RECIPES / "tiny.yaml"), "data.tokenizer=bpe"],
-     ["model.kwargs.vocab_size = 256", "1024 token ids", "model.kwargs.vocab_size=1024"]),
-    (["validate", str(RECIPES / "tiny.yaml"), "model.family=null", "model.size=null", "model.kwargs={}",
-      "model.hf_config={model_type: llama, vocab_size: 200, hidden_size: 32}"],
-     ["model.hf_config.vocab_size = 200", "256 token ids"]),
-    (["validate", str(RECIPES / "tiny.yaml"), "data.tokenizer=missing.json"], ["data.tokenizer = 'missing.json'"]),
-    (["prepare", "--out", "x", "no-such-file.txt"], ["no-such-file.txt", "is not a file"]),
-])
-def test_mistakes_exit_2_with_field_value_and_fix(args: list[str], words: list[str], tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (
+            ["validate", str(RECIPES / "tiny.yaml"), "data.tokenizer=bpe"],
+            ["model.kwargs.vocab_size = 256", "1024 token ids", "model.kwargs.vocab_size=1024"],
+        ),
+        (
+            [
+                "validate",
+                str(RECIPES / "tiny.yaml"),
+                "model.family=null",
+                "model.size=null",
+                "model.kwargs={}",
+                "model.hf_config={model_type: llama, vocab_size: 200, hidden_size: 32}",
+            ],
+            ["model.hf_config.vocab_size = 200", "256 token ids"],
+        ),
+        (["validate", str(RECIPES / "tiny.yaml"), "data.tokenizer=missing.json"], ["data.tokenizer = 'missing.json'"]),
+        (["prepare", "--out", "x", "no-such-file.txt"], ["no-such-file.txt", "is not a file"]),
+    ],
+)
+def test_mistakes_exit_2_with_field_value_and_fix(
+    args: list[str],
+    words: list[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     monkeypatch.chdir(tmp_path)
     assert main(args) == EXIT_USER_ERROR
     err = capsys.readouterr().err
@@ -135,14 +158,23 @@ def test_prepare_never_overwrites(prepared: Path, capsys: pytest.CaptureFixture[
 
 def test_token_files_refuse_a_second_tokenizer(prepared: Path) -> None:
     with pytest.raises(UserErrors, match="carry the tokenizer"):
-        load_recipe(RECIPES / "tiny.yaml", ["data.source=token_files", f"data.path={prepared}",
-                                            "data.tokenizer=bpe", "model.kwargs.vocab_size=1024"])
+        load_recipe(
+            RECIPES / "tiny.yaml",
+            ["data.source=token_files", f"data.path={prepared}", "data.tokenizer=bpe", "model.kwargs.vocab_size=1024"],
+        )
 
 
 def test_tiny_recipe_with_bpe_token_files_trains(ray_cluster: None, workdir: Path, prepared: Path) -> None:
-    recipe = load_recipe(RECIPES / "tiny-bpe.yaml", ["train.steps=8", "data.source=token_files",
-                                                     f"data.path={prepared}", "data.tokenizer=null",
-                                                     f"tracking.uri=sqlite:///{workdir}/mlflow.db"])
+    recipe = load_recipe(
+        RECIPES / "tiny-bpe.yaml",
+        [
+            "train.steps=8",
+            "data.source=token_files",
+            f"data.path={prepared}",
+            "data.tokenizer=null",
+            f"tracking.uri=sqlite:///{workdir}/mlflow.db",
+        ],
+    )
     losses = [s["loss"] for s in submit(recipe).steps]
     assert len(losses) == 8 and losses[0] > 6.0  # starts near log(1024) = 6.93: the BPE vocabulary
     assert losses[-1] < losses[0] - 0.5

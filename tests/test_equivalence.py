@@ -47,8 +47,11 @@ PARAM_ATOL = 1e-5
 LLAMA = {"family": "llama", "size": "tiny"}
 GPT2 = {"family": "gpt2", "size": "tiny", "kwargs": {"n_layers": 1}}  # head tied to the token embedding
 # Rows that divide by neither 2 nor 4 workers, nor by split factors 3 and 4: vocab 257, k/v 30, ffn 150.
-ODD = {"family": "llama", "size": "tiny",
-       "kwargs": {"n_layers": 1, "vocab_size": 257, "dim": 60, "n_heads": 6, "n_kv_heads": 3, "ffn_dim": 150}}
+ODD = {
+    "family": "llama",
+    "size": "tiny",
+    "kwargs": {"n_layers": 1, "vocab_size": 257, "dim": 60, "n_heads": 6, "n_kv_heads": 3, "ffn_dim": 150},
+}
 MIXED = (Strategy.ZERO3, Strategy.DDP, Strategy.ZERO2, Strategy.HSDP)
 RELOAD_FROM = "odd-split2"  # its trained parameters are loaded into other splits of the same model:
 RELOAD = "reload-split3"  # from the full (gathered) state dict
@@ -63,28 +66,42 @@ class Case:
 
 
 def _recipe(world: int, optimizer: str = "adamw") -> Recipe:
-    return Recipe.model_validate({
-        "model": LLAMA,
-        "data": {"source": "corpus", "seq_len": SEQ_LEN},
-        "hardware": {"workers_per_node": world},
-        "planner": {"name": "zero3"},
-        "train": {"steps": STEPS, "micro_batch_size": MICRO_BATCH, "optimizer": optimizer, "lr": LR[optimizer],
-                  "weight_decay": 0.01},
-    })
+    return Recipe.model_validate(
+        {
+            "model": LLAMA,
+            "data": {"source": "corpus", "seq_len": SEQ_LEN},
+            "hardware": {"workers_per_node": world},
+            "planner": {"name": "zero3"},
+            "train": {
+                "steps": STEPS,
+                "micro_batch_size": MICRO_BATCH,
+                "optimizer": optimizer,
+                "lr": LR[optimizer],
+                "weight_decay": 0.01,
+            },
+        }
+    )
 
 
-def _plan(recipe: Recipe, model: dict[str, Any], strategies: tuple[Strategy, ...], split: int = 1,
-          checkpoint_every: int = 0) -> Plan:
+def _plan(
+    recipe: Recipe, model: dict[str, Any], strategies: tuple[Strategy, ...], split: int = 1, checkpoint_every: int = 0
+) -> Plan:
     """A uniform plan edited unit by unit: strategies cycle over the units, every n-th is checkpointed."""
     req = plan_request(recipe)
-    base = uniform_plan(build_model(ModelSection.model_validate(model), "meta"), req, strategies[0],
-                        MICRO_BATCH, 1)
+    base = uniform_plan(build_model(ModelSection.model_validate(model), "meta"), req, strategies[0], MICRO_BATCH, 1)
     units: list[UnitPlan] = []
     for i, unit in enumerate(base.units):
         strategy = strategies[i % len(strategies)]
-        units.append(unit.model_copy(update={
-            "strategy": strategy, "shard_group_size": group_size(strategy, req), "split": split,
-            "checkpoint": bool(checkpoint_every) and i % checkpoint_every == 0}))
+        units.append(
+            unit.model_copy(
+                update={
+                    "strategy": strategy,
+                    "shard_group_size": group_size(strategy, req),
+                    "split": split,
+                    "checkpoint": bool(checkpoint_every) and i % checkpoint_every == 0,
+                }
+            )
+        )
     return Plan.model_validate({**base.model_dump(), "units": [u.model_dump() for u in units]})
 
 
@@ -94,7 +111,8 @@ def _cases(recipe: Recipe) -> dict[str, Case]:
     cases["odd-zero3"] = Case(ODD, _plan(recipe, ODD, (Strategy.ZERO3,)))
     cases[RELOAD_FROM] = Case(ODD, _plan(recipe, ODD, (Strategy.ZERO3, Strategy.HSDP), split=2))
     cases["gpt2-tied-mixed-split2"] = Case(
-        GPT2, _plan(recipe, GPT2, (Strategy.HSDP, Strategy.DDP, Strategy.ZERO2), split=2, checkpoint_every=2))
+        GPT2, _plan(recipe, GPT2, (Strategy.HSDP, Strategy.DDP, Strategy.ZERO2), split=2, checkpoint_every=2)
+    )
     cases["odd-mixed-split4-ckpt-sgd"] = Case(ODD, _plan(recipe, ODD, MIXED, split=4, checkpoint_every=3), "sgd")
     return cases
 
@@ -113,16 +131,20 @@ def _train_cases(config: dict[str, Any]) -> None:
     for name, (model_json, plan_json, optimizer_name) in config["cases"].items():
         start = time.perf_counter()
         torch.manual_seed(seed)
-        model = build_sharded(ModelSection.model_validate(model_json), Plan.model_validate(plan_json),
-                              torch.device("cpu"))
+        model = build_sharded(
+            ModelSection.model_validate(model_json), Plan.model_validate(plan_json), torch.device("cpu")
+        )
         optimizer = build_optimizer(model, recipes[optimizer_name].train)
         losses = []
         for step in range(STEPS):
             mean = train_step(model, optimizer, sampler.micro_batches(step, 1, MICRO_BATCH, rank, world), 1)
             dist.all_reduce(mean)
             losses.append(mean.item() / world)
-        results[name] = {"losses": losses, "params": get_model_state_dict(model, options=full_options),
-                         "seconds": time.perf_counter() - start}
+        results[name] = {
+            "losses": losses,
+            "params": get_model_state_dict(model, options=full_options),
+            "seconds": time.perf_counter() - start,
+        }
         if name == RELOAD_FROM:
             results.update(_reload(model, model_json, config, seed))
     dist.barrier()
@@ -130,13 +152,18 @@ def _train_cases(config: dict[str, Any]) -> None:
         config["results"].put(results)
 
 
-def _reload(model: nn.Module, model_json: dict[str, Any], config: dict[str, Any],
-            seed: int) -> dict[str, dict[str, Any]]:
+def _reload(
+    model: nn.Module, model_json: dict[str, Any], config: dict[str, Any], seed: int
+) -> dict[str, dict[str, Any]]:
     """Load `model`'s parameters into differently split copies, by full state dict and through DCP."""
+
     def fresh(name: str) -> nn.Module:
         torch.manual_seed(seed + 1)
-        return build_sharded(ModelSection.model_validate(model_json), Plan.model_validate(config["reload_plans"][name]),
-                             torch.device("cpu"))
+        return build_sharded(
+            ModelSection.model_validate(model_json),
+            Plan.model_validate(config["reload_plans"][name]),
+            torch.device("cpu"),
+        )
 
     full = StateDictOptions(full_state_dict=True)
     from_full = fresh(RELOAD)
@@ -147,8 +174,10 @@ def _reload(model: nn.Module, model_json: dict[str, Any], config: dict[str, Any]
     dcp.load(sharded, checkpoint_id=config["dcp_dir"])
     set_model_state_dict(from_dcp, sharded)
     gather = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return {RELOAD: {"params": get_model_state_dict(from_full, options=gather)},
-            RELOAD_DCP: {"params": get_model_state_dict(from_dcp, options=gather)}}
+    return {
+        RELOAD: {"params": get_model_state_dict(from_full, options=gather)},
+        RELOAD_DCP: {"params": get_model_state_dict(from_dcp, options=gather)},
+    }
 
 
 def _reference(model_json: dict[str, Any], recipe: Recipe, world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -183,8 +212,10 @@ def _max_param_diff(got: dict[str, torch.Tensor], expected: dict[str, torch.Tens
 def test_plans_match_single_process_reference(ray_cluster: None, world: int, tmp_path: Path) -> None:
     recipes = {opt: _recipe(world, opt) for opt in LR}
     cases = _cases(recipes["adamw"])
-    reload_plans = {RELOAD: _plan(recipes["adamw"], ODD, (Strategy.HSDP, Strategy.ZERO2), split=3),
-                    RELOAD_DCP: _plan(recipes["adamw"], ODD, (Strategy.DDP, Strategy.ZERO3), split=4)}
+    reload_plans = {
+        RELOAD: _plan(recipes["adamw"], ODD, (Strategy.HSDP, Strategy.ZERO2), split=3),
+        RELOAD_DCP: _plan(recipes["adamw"], ODD, (Strategy.DDP, Strategy.ZERO3), split=4),
+    }
     queue = Queue(actor_options={"num_cpus": 0})
     trainer = TorchTrainer(
         _train_cases,
@@ -192,8 +223,11 @@ def test_plans_match_single_process_reference(ray_cluster: None, world: int, tmp
             "recipes": {opt: r.model_dump(mode="json") for opt, r in recipes.items()},
             "cases": {n: (c.model, c.plan.model_dump(mode="json"), c.optimizer) for n, c in cases.items()},
             "reload_plans": {n: p.model_dump(mode="json") for n, p in reload_plans.items()},
-            "dcp_dir": str(tmp_path / "dcp"), "results": queue},
-        scaling_config=ScalingConfig(num_workers=world))
+            "dcp_dir": str(tmp_path / "dcp"),
+            "results": queue,
+        },
+        scaling_config=ScalingConfig(num_workers=world),
+    )
     start = time.perf_counter()
     trainer.fit()
     results = queue.get(timeout=30)
@@ -209,8 +243,9 @@ def test_plans_match_single_process_reference(ray_cluster: None, world: int, tmp
         losses = results[name]["losses"]
         loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
         param_diff = _max_param_diff(results[name]["params"], ref_params)
-        report.append(f"{name}: loss rel {loss_diff:.1e}, params abs {param_diff:.1e} "
-                      f"({results[name]['seconds']:.1f} s)")
+        report.append(
+            f"{name}: loss rel {loss_diff:.1e}, params abs {param_diff:.1e} ({results[name]['seconds']:.1f} s)"
+        )
         if loss_diff > LOSS_RTOL or param_diff > PARAM_ATOL:
             failed.append(name)
     source = results[RELOAD_FROM]["params"]

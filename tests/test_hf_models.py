@@ -29,21 +29,40 @@ from osdp_platform.step import build_optimizer, train_step
 STEPS = 3
 MICRO_BATCH = 2
 WORLD = 2
-LLAMA = {"model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 160,
-         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
-GPT2 = {"model_type": "gpt2", "vocab_size": 300, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64,
-        "bos_token_id": 0, "eos_token_id": 0,
-        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}  # dropout draws differ per rank: no equality
+LLAMA = {
+    "model_type": "llama",
+    "vocab_size": 300,
+    "hidden_size": 64,
+    "intermediate_size": 160,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+GPT2 = {
+    "model_type": "gpt2",
+    "vocab_size": 300,
+    "n_embd": 64,
+    "n_layer": 2,
+    "n_head": 4,
+    "n_positions": 64,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+    "resid_pdrop": 0.0,
+    "embd_pdrop": 0.0,
+    "attn_pdrop": 0.0,
+}  # dropout draws differ per rank: no equality
 BUDGET_GB = 0.0018  # tight enough that OSDP mixes strategies on the Llama (2% of it is the margin)
 
 
 def _recipe(hf_config: dict[str, Any]) -> Recipe:
-    return Recipe.model_validate({
-        "model": {"hf_config": hf_config},
-        "data": {"source": "corpus", "seq_len": 32},
-        "hardware": {"workers_per_node": WORLD, "memory_per_device_gb": BUDGET_GB},
-        "train": {"steps": STEPS, "micro_batch_size": MICRO_BATCH, "lr": 1e-3},
-    })
+    return Recipe.model_validate(
+        {
+            "model": {"hf_config": hf_config},
+            "data": {"source": "corpus", "seq_len": 32},
+            "hardware": {"workers_per_node": WORLD, "memory_per_device_gb": BUDGET_GB},
+            "train": {"steps": STEPS, "micro_batch_size": MICRO_BATCH, "lr": 1e-3},
+        }
+    )
 
 
 def _plans(recipe: Recipe) -> dict[str, Plan]:
@@ -90,18 +109,26 @@ def _reference(recipe: Recipe) -> tuple[list[float], dict[str, torch.Tensor]]:
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     optimizer = build_optimizer(model, recipe.train)
     sampler = BatchSampler(load_tokens(recipe.data, recipe.train.seed), recipe.data.seq_len, recipe.train.seed)
-    losses = [float(train_step(model, optimizer, [sampler.global_batch(step, 0, MICRO_BATCH * WORLD)], 1))
-              for step in range(STEPS)]
+    losses = [
+        float(train_step(model, optimizer, [sampler.global_batch(step, 0, MICRO_BATCH * WORLD)], 1))
+        for step in range(STEPS)
+    ]
     return losses, initial
 
 
 def test_transformers_models_train_the_same_under_every_plan(ray_cluster: None) -> None:
     recipes = {"llama": _recipe(LLAMA), "gpt2": _recipe(GPT2)}
-    cases = {f"{model}-{planner}": (recipe.model_dump(mode="json"), plan.model_dump(mode="json"))
-             for model, recipe in recipes.items() for planner, plan in _plans(recipe).items()}
+    cases = {
+        f"{model}-{planner}": (recipe.model_dump(mode="json"), plan.model_dump(mode="json"))
+        for model, recipe in recipes.items()
+        for planner, plan in _plans(recipe).items()
+    }
     queue = Queue(actor_options={"num_cpus": 0})
-    TorchTrainer(_train_cases, train_loop_config={"cases": cases, "results": queue},
-                 scaling_config=ScalingConfig(num_workers=WORLD)).fit()
+    TorchTrainer(
+        _train_cases,
+        train_loop_config={"cases": cases, "results": queue},
+        scaling_config=ScalingConfig(num_workers=WORLD),
+    ).fit()
     results = queue.get(timeout=60)
     for model, recipe in recipes.items():
         ref_losses, ref_initial = _reference(recipe)

@@ -30,8 +30,7 @@ def _rank0(inbox: object) -> None:
     sender.close()
 
 
-def test_every_step_reaches_mlflow_and_the_inbox_keeps_the_newest_checkpoint(
-        ray_cluster: None, tmp_path: Path) -> None:
+def test_every_step_reaches_mlflow_and_the_inbox_keeps_the_newest_checkpoint(ray_cluster: None, tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = MlflowClient(uri)
     run = client.create_run(client.create_experiment("inbox"))
@@ -49,7 +48,8 @@ def test_every_step_reaches_mlflow_and_the_inbox_keeps_the_newest_checkpoint(
     assert seen == list(range(STEPS))
     history = client.get_metric_history(run.info.run_id, "loss")
     assert sorted((m.step, m.value, m.timestamp) for m in history) == [
-        (s, 10.0 - s, ENDED_MS + 1000 * s) for s in range(STEPS)]
+        (s, 10.0 - s, ENDED_MS + 1000 * s) for s in range(STEPS)
+    ]
     system = client.get_metric_history(run.info.run_id, "system/10.0.0.7/cpu_utilization_percentage")
     assert [(m.step, m.value, m.timestamp) for m in system] == [(0, 42.0, ENDED_MS)]
     tags = client.get_run(run.info.run_id).data.tags

@@ -36,8 +36,11 @@ JOBS = sorted((INFRA / "jobs").glob("*.yaml"))
 K8S_VERSION = "1.32.0"  # the Kubernetes API these manifests are written for (infra/README.md)
 KUBERAY_SCHEMA = yaml.safe_load((REPO / "tests" / "data" / "kuberay-v1.7.0" / "ray.io_v1.schema.yaml").read_text())
 GPU = "nvidia.com/gpu"
-GPU_POOLS = {HardwareSection(accelerator="gpu", preset=p).pool_resource
-             for p, preset in PRESETS.items() if preset.accelerator == "gpu"}
+GPU_POOLS = {
+    HardwareSection(accelerator="gpu", preset=p).pool_resource
+    for p, preset in PRESETS.items()
+    if preset.accelerator == "gpu"
+}
 
 
 @cache
@@ -45,8 +48,9 @@ def render(overlay: str) -> tuple[dict[str, Any], ...]:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("kubectl (with its built-in kustomize) is not installed: apt-get install kubectl")
-    out = subprocess.run([kubectl, "kustomize", str(INFRA / "overlays" / overlay)], capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [kubectl, "kustomize", str(INFRA / "overlays" / overlay)], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     return tuple(doc for doc in yaml.safe_load_all(out.stdout) if doc)
 
@@ -93,10 +97,14 @@ def _gpus(container: dict[str, Any], section: str) -> int:
 
 
 def _mounts_of_claim(pod: dict[str, Any], claim: str) -> set[str]:
-    volumes = {v["name"] for v in pod["spec"].get("volumes", [])
-               if v.get("persistentVolumeClaim", {}).get("claimName") == claim}
-    return {m["mountPath"] for c in pod["spec"]["containers"] for m in c.get("volumeMounts", [])
-            if m["name"] in volumes}
+    volumes = {
+        v["name"]
+        for v in pod["spec"].get("volumes", [])
+        if v.get("persistentVolumeClaim", {}).get("claimName") == claim
+    }
+    return {
+        m["mountPath"] for c in pod["spec"]["containers"] for m in c.get("volumeMounts", []) if m["name"] in volumes
+    }
 
 
 def _dockerfile_arg(name: str, dockerfile: str = "Dockerfile") -> str:
@@ -113,8 +121,14 @@ def validate_kuberay(doc: dict[str, Any]) -> None:
     schema = {**KUBERAY_SCHEMA, "$ref": f"#/$defs/{doc['kind']}"}
     jsonschema.Draft202012Validator(schema).validate(doc)
     for where, template in _pod_templates(doc):
-        validate_core({"apiVersion": "v1", "kind": "PodTemplate",
-                       "metadata": {"name": f"{doc['metadata']['name']}-{where}"}, "template": template})
+        validate_core(
+            {
+                "apiVersion": "v1",
+                "kind": "PodTemplate",
+                "metadata": {"name": f"{doc['metadata']['name']}-{where}"},
+                "template": template,
+            }
+        )
 
 
 # --- rendering and schemas -------------------------------------------------------------------
@@ -124,8 +138,18 @@ def validate_kuberay(doc: dict[str, Any]) -> None:
 def test_overlay_renders_the_whole_stack(overlay: str) -> None:
     docs = render(overlay)
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds == sorted(["RayCluster", "Deployment", "StatefulSet", "Service", "Service", "Secret",
-                            "PersistentVolumeClaim", "PersistentVolumeClaim"]), kinds
+    assert kinds == sorted(
+        [
+            "RayCluster",
+            "Deployment",
+            "StatefulSet",
+            "Service",
+            "Service",
+            "Secret",
+            "PersistentVolumeClaim",
+            "PersistentVolumeClaim",
+        ]
+    ), kinds
     assert _cluster(overlay)["workerGroupSpecs"], f"{overlay} adds no worker group"
 
 
@@ -155,15 +179,25 @@ def _broken(mutate: Any, doc: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
-@pytest.mark.parametrize(("what", "kind", "mutate"), [
-    ("typo in a Deployment", "Deployment", lambda d: d["spec"].update(replica=2)),
-    ("string where a port number goes", "Service", lambda d: d["spec"]["ports"][0].update(port="http")),
-    ("typo in a worker group", "RayCluster", lambda d: d["spec"]["workerGroupSpecs"][0].update(minReplica=0)),
-    ("unknown upscaling mode", "RayCluster", lambda d: d["spec"]["autoscalerOptions"].update(upscalingMode="Fast")),
-    ("typo in a pod template inside a RayCluster", "RayCluster",
-     lambda d: d["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0].update(resource={})),
-    ("worker group without maxReplicas", "RayCluster", lambda d: d["spec"]["workerGroupSpecs"][0].pop("maxReplicas")),
-])
+@pytest.mark.parametrize(
+    ("what", "kind", "mutate"),
+    [
+        ("typo in a Deployment", "Deployment", lambda d: d["spec"].update(replica=2)),
+        ("string where a port number goes", "Service", lambda d: d["spec"]["ports"][0].update(port="http")),
+        ("typo in a worker group", "RayCluster", lambda d: d["spec"]["workerGroupSpecs"][0].update(minReplica=0)),
+        ("unknown upscaling mode", "RayCluster", lambda d: d["spec"]["autoscalerOptions"].update(upscalingMode="Fast")),
+        (
+            "typo in a pod template inside a RayCluster",
+            "RayCluster",
+            lambda d: d["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0].update(resource={}),
+        ),
+        (
+            "worker group without maxReplicas",
+            "RayCluster",
+            lambda d: d["spec"]["workerGroupSpecs"][0].pop("maxReplicas"),
+        ),
+    ],
+)
 def test_the_validators_reject_broken_manifests(what: str, kind: str, mutate: Any) -> None:
     doc = _broken(mutate, _of_kind(render("gpu-prod"), kind)[0])
     validate = validate_kuberay if kind == "RayCluster" else validate_core
@@ -225,7 +259,7 @@ def test_gpu_groups_advertise_the_pool_recipes_ask_for() -> None:
     for g in _cluster("gpu-prod")["workerGroupSpecs"]:
         pools = {k: v for k, v in g["resources"].items() if k not in RAY_BUILTIN_RESOURCES}
         assert len(pools) == 1, f"{g['groupName']} must advertise exactly one pool: {g['resources']}"
-        (pool, units), = pools.items()
+        ((pool, units),) = pools.items()
         assert pool in GPU_POOLS, f"{pool} is no preset's pool: {sorted(GPU_POOLS)}"
         assert float(units) == _gpus(g["template"]["spec"]["containers"][0], "limits"), "one unit per GPU"
         # The nodes the group lands on are the devices the pool names (A100_80GB on an A100 80GB product).
@@ -245,7 +279,7 @@ def test_all_ray_pods_run_one_image_with_the_dockerfiles_ray(overlay: str) -> No
 def test_the_image_installs_the_ray_extras_the_package_needs() -> None:
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     ray_dep = next(d for d in deps if d.startswith("ray["))
-    extras = ray_dep[ray_dep.index("[") + 1:ray_dep.index("]")]
+    extras = ray_dep[ray_dep.index("[") + 1 : ray_dep.index("]")]
     assert f'"ray[{extras}]==${{RAY_VERSION}}"' in (INFRA / "Dockerfile").read_text()
 
 
@@ -296,9 +330,11 @@ def test_job_checkpoints_on_the_shared_volume(path: Path) -> None:
         assert len(dirs) == 1 and Path(dirs[0]).is_relative_to(mount), (dirs, mount)
 
 
-@pytest.mark.skipif("checkpoint_dir" not in TrainSection.model_fields,
-                    reason="train.checkpoint_dir comes with the real-scale work (issue 10); until it lands the "
-                           "job's overrides are checked key by key above")
+@pytest.mark.skipif(
+    "checkpoint_dir" not in TrainSection.model_fields,
+    reason="train.checkpoint_dir comes with the real-scale work (issue 10); until it lands the "
+    "job's overrides are checked key by key above",
+)
 @pytest.mark.parametrize("path", JOBS, ids=lambda p: p.name)
 def test_job_entrypoint_is_a_valid_recipe(path: Path) -> None:
     for job in _load(path):
@@ -331,8 +367,11 @@ def test_ray_pods_track_to_the_mlflow_service(overlay: str) -> None:
     assert svc["spec"]["selector"].items() <= _mlflow(overlay)[0]["spec"]["template"]["metadata"]["labels"].items()
     for where, pod in _ray_pods(_cluster(overlay)):
         uri = urlparse(_env(pod["spec"]["containers"][0])["MLFLOW_TRACKING_URI"])
-        assert (uri.scheme, uri.hostname, uri.port) == ("http", svc["metadata"]["name"],
-                                                        svc["spec"]["ports"][0]["port"]), where
+        assert (uri.scheme, uri.hostname, uri.port) == (
+            "http",
+            svc["metadata"]["name"],
+            svc["spec"]["ports"][0]["port"],
+        ), where
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -354,8 +393,11 @@ def test_mlflow_keeps_runs_in_postgres_and_artifacts_on_a_volume(overlay: str) -
     assert pg_svc["spec"]["selector"].items() <= pg_pod["metadata"]["labels"].items()
     pg_container = pg_pod["spec"]["containers"][0]
     assert pg_container["envFrom"][0]["secretRef"]["name"] == secret["metadata"]["name"]
-    data_mount = next(m["mountPath"] for m in pg_container["volumeMounts"]
-                      if m["name"] in {t["metadata"]["name"] for t in pg["spec"]["volumeClaimTemplates"]})
+    data_mount = next(
+        m["mountPath"]
+        for m in pg_container["volumeMounts"]
+        if m["name"] in {t["metadata"]["name"] for t in pg["spec"]["volumeClaimTemplates"]}
+    )
     assert Path(_env(pg_container)["PGDATA"]).is_relative_to(data_mount)
 
     argv = container["command"]

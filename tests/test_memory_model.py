@@ -26,12 +26,14 @@ UNDER, OVER = 0.02, 0.06  # a plan predicted to fit must fit; over-prediction on
 
 # GQA and OPT shapes are drawn by tests/test_memory_property.py
 SHAPES: dict[str, Callable[[], nn.Module]] = {
-    "llama-mha": lambda: build_zoo_model("llama", "tiny", dim=256, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=688,
-                                         vocab_size=512),
+    "llama-mha": lambda: build_zoo_model(
+        "llama", "tiny", dim=256, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=688, vocab_size=512
+    ),
     "gpt2-tied": lambda: build_zoo_model("gpt2", "tiny", dim=192, n_layers=3, n_heads=4, vocab_size=512),
     # logits dwarf the blocks' activations: the peak is in the loss's own backward
-    "llama-wide-vocab": lambda: build_zoo_model("llama", "tiny", dim=64, n_layers=2, n_heads=2, n_kv_heads=2,
-                                                ffn_dim=172, vocab_size=4096),
+    "llama-wide-vocab": lambda: build_zoo_model(
+        "llama", "tiny", dim=64, n_layers=2, n_heads=2, n_kv_heads=2, ffn_dim=172, vocab_size=4096
+    ),
 }
 
 
@@ -76,9 +78,9 @@ def test_predicted_peak_matches_the_fake_rank(shape: str) -> None:
 def test_a_truncated_profile_keeps_the_full_models_forward_order() -> None:
     """The profile runs two of the identical blocks; the blocks it stands in for must follow each other
     whole (block 2's attention after block 1's MLP), or every later event sits at the wrong time."""
+
     def build(_device: str = "cpu") -> nn.Module:
-        return build_zoo_model("llama", "tiny", dim=64, n_layers=4, n_heads=2, n_kv_heads=2, ffn_dim=96,
-                               vocab_size=128)
+        return build_zoo_model("llama", "tiny", dim=64, n_layers=4, n_heads=2, n_kv_heads=2, ffn_dim=96, vocab_size=128)
 
     model = build()
     profiled = [m.path for m in profile_model(build, 16, 128).modules]

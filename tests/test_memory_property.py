@@ -31,16 +31,19 @@ CASES = 10
 UNDER_LIMIT = 0.02
 
 SHAPES: dict[str, Callable[[], nn.Module]] = {
-    "llama-gqa": lambda: build_zoo_model("llama", "tiny", dim=96, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=260,
-                                         vocab_size=384),
+    "llama-gqa": lambda: build_zoo_model(
+        "llama", "tiny", dim=96, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=260, vocab_size=384
+    ),
     "gpt2-tied": lambda: build_zoo_model("gpt2", "tiny", dim=64, n_layers=2, n_heads=4, vocab_size=320),
     "opt-tied": lambda: build_zoo_model("opt", "tiny", dim=80, n_layers=1, n_heads=4, vocab_size=300),
     # the loss region dominates
-    "llama-wide-vocab": lambda: build_zoo_model("llama", "tiny", dim=48, n_layers=1, n_heads=2, n_kv_heads=2,
-                                                ffn_dim=120, vocab_size=3000),
+    "llama-wide-vocab": lambda: build_zoo_model(
+        "llama", "tiny", dim=48, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=120, vocab_size=3000
+    ),
     # dims that divide neither 8 ranks nor the split factors
-    "llama-odd": lambda: build_zoo_model("llama", "tiny", dim=60, n_layers=2, n_heads=6, n_kv_heads=3, ffn_dim=150,
-                                         vocab_size=257),
+    "llama-odd": lambda: build_zoo_model(
+        "llama", "tiny", dim=60, n_layers=2, n_heads=6, n_kv_heads=3, ffn_dim=150, vocab_size=257
+    ),
 }
 
 
@@ -59,17 +62,27 @@ def _random_plan(rng: random.Random, shape: str, world: int, batch: int) -> Plan
     units = []
     for u in find_units(meta, SEQ):
         strategy, group = rng.choice(choices)
-        units.append(UnitPlan(name=u.name, modules=list(u.modules), strategy=strategy, shard_group_size=group,
-                              split=rng.choice(SPLITS) if u.linears else 1, checkpoint=rng.random() < 0.4,
-                              param_count=u.param_count))
+        units.append(
+            UnitPlan(
+                name=u.name,
+                modules=list(u.modules),
+                strategy=strategy,
+                shard_group_size=group,
+                split=rng.choice(SPLITS) if u.linears else 1,
+                checkpoint=rng.random() < 0.4,
+                param_count=u.param_count,
+            )
+        )
     req = PlanRequest("manual", shape, 1, world, get_preset("cpu"), 8 << 30, SEQ, batch, None)
     return make_plan(meta, req, units, batch, 1)
 
 
 def _cases() -> list[tuple[str, int, int, int]]:
     rng = random.Random(2026)
-    return [(rng.choice(sorted(SHAPES)), rng.choice((2, 4, 8)), rng.randint(1, 16), rng.randrange(1 << 30))
-            for _ in range(CASES)]
+    return [
+        (rng.choice(sorted(SHAPES)), rng.choice((2, 4, 8)), rng.randint(1, 16), rng.randrange(1 << 30))
+        for _ in range(CASES)
+    ]
 
 
 def test_random_plans_are_never_under_predicted() -> None:
@@ -86,13 +99,17 @@ def test_random_plans_are_never_under_predicted() -> None:
 
     def show(e: tuple[float, str, int, int, Plan]) -> str:
         err, shape, world, batch, plan = e
-        units = ", ".join(f"{u.name}:{u.strategy.value}{u.shard_group_size}/s{u.split}{'/ckpt' if u.checkpoint else ''}"
-                          for u in plan.units)
+        units = ", ".join(
+            f"{u.name}:{u.strategy.value}{u.shard_group_size}/s{u.split}{'/ckpt' if u.checkpoint else ''}"
+            for u in plan.units
+        )
         return f"{err:+.2%} {shape} world {world} batch {batch}: {units}"
 
-    print(f"\n{len(errors)} random plans: worst under-prediction {show(worst_under)}\n"
-          f"worst over-prediction {show(worst_over)}\n"
-          f"median error {errors[len(errors) // 2][0]:+.2%}")
+    print(
+        f"\n{len(errors)} random plans: worst under-prediction {show(worst_under)}\n"
+        f"worst over-prediction {show(worst_over)}\n"
+        f"median error {errors[len(errors) // 2][0]:+.2%}"
+    )
     under = [show(e) for e in errors if e[0] < -UNDER_LIMIT]
     assert not under, "plans predicted below what FSDP2 holds:\n" + "\n".join(under)
 

@@ -27,17 +27,44 @@ from osdp_platform.recipe import ModelSection, Recipe
 from osdp_platform.zoo import build_zoo_model
 
 GPT2 = {"family": "gpt2", "size": "tiny", "kwargs": {"n_layers": 2}}  # head tied to the embedding
-ODD = {"family": "llama", "size": "tiny",  # rows that divide by neither the worlds nor the split factors
-       "kwargs": {"n_layers": 1, "vocab_size": 257, "dim": 60, "n_heads": 6, "n_kv_heads": 3, "ffn_dim": 150}}
-HF_LLAMA = {"hf_config": {"model_type": "llama", "vocab_size": 301, "hidden_size": 32, "intermediate_size": 72,
-                          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}}
-HF_GPT2 = {"hf_config": {"model_type": "gpt2", "vocab_size": 301, "n_embd": 32, "n_layer": 2, "n_head": 4,
-                         "n_positions": 64, "bos_token_id": 0, "eos_token_id": 0}}
+ODD = {
+    "family": "llama",
+    "size": "tiny",  # rows that divide by neither the worlds nor the split factors
+    "kwargs": {"n_layers": 1, "vocab_size": 257, "dim": 60, "n_heads": 6, "n_kv_heads": 3, "ffn_dim": 150},
+}
+HF_LLAMA = {
+    "hf_config": {
+        "model_type": "llama",
+        "vocab_size": 301,
+        "hidden_size": 32,
+        "intermediate_size": 72,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
+}
+HF_GPT2 = {
+    "hf_config": {
+        "model_type": "gpt2",
+        "vocab_size": 301,
+        "n_embd": 32,
+        "n_layer": 2,
+        "n_head": 4,
+        "n_positions": 64,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+    }
+}
 # (model, strategies cycled over the units, split factor): HF's units of Linears only are not split (see
 # test_hf_models.py for the apply_plan bug that leaves out).
-PLANS = [(GPT2, (Strategy.ZERO3,), 3), (GPT2, (Strategy.HSDP, Strategy.DDP, Strategy.ZERO2), 2),
-         (ODD, (Strategy.ZERO3, Strategy.HSDP), 4), (ODD, (Strategy.DDP,), 1),
-         (HF_LLAMA, (Strategy.ZERO3, Strategy.DDP), 1), (HF_GPT2, (Strategy.HSDP, Strategy.ZERO3), 1)]
+PLANS = [
+    (GPT2, (Strategy.ZERO3,), 3),
+    (GPT2, (Strategy.HSDP, Strategy.DDP, Strategy.ZERO2), 2),
+    (ODD, (Strategy.ZERO3, Strategy.HSDP), 4),
+    (ODD, (Strategy.DDP,), 1),
+    (HF_LLAMA, (Strategy.ZERO3, Strategy.DDP), 1),
+    (HF_GPT2, (Strategy.HSDP, Strategy.ZERO3), 1),
+]
 SEED = 11
 WIDE_7B = {"family": "llama", "size": "7b", "kwargs": {"n_layers": 2}}  # 7B's width: 0.67B parameters
 FAKE_RANKS = 8
@@ -47,9 +74,16 @@ def _plan(model: dict[str, Any], strategies: tuple[Strategy, ...], split: int, w
     recipe = Recipe.model_validate({"model": model, "hardware": {"workers_per_node": world}})
     req = plan_request(recipe)
     base = uniform_plan(build_model(ModelSection.model_validate(model), "meta"), req, strategies[0], 1, 1)
-    units = [u.model_copy(update={"strategy": strategies[i % len(strategies)], "split": split,
-                                  "shard_group_size": group_size(strategies[i % len(strategies)], req)})
-             for i, u in enumerate(base.units)]
+    units = [
+        u.model_copy(
+            update={
+                "strategy": strategies[i % len(strategies)],
+                "split": split,
+                "shard_group_size": group_size(strategies[i % len(strategies)], req),
+            }
+        )
+        for i, u in enumerate(base.units)
+    ]
     return Plan.model_validate({**base.model_dump(), "units": [u.model_dump() for u in units]})
 
 
@@ -118,8 +152,13 @@ def peak_rss_building(world: int) -> dict[str, int]:
     largest_unit = max(4 * u.param_count for u in plan.units)
     shards = sum(4 * p.to_local().numel() for p in model.parameters())
     dist.destroy_process_group()
-    return {"before": before, "peak": peak, "shards": shards, "largest_unit": largest_unit,
-            "full": 4 * sum(p.numel() for p in meta.parameters())}
+    return {
+        "before": before,
+        "peak": peak,
+        "shards": shards,
+        "largest_unit": largest_unit,
+        "full": 4 * sum(p.numel() for p in meta.parameters()),
+    }
 
 
 def _in_fresh_process(call: str) -> Any:
@@ -140,8 +179,10 @@ def test_a_rank_never_holds_the_whole_model() -> None:
     got = _in_fresh_process(f"peak_rss_building({FAKE_RANKS})")
     grown = got["peak"] - got["before"]
     mib = 1024**2
-    print(f"\nfull fp32 model {got['full'] / mib:.0f} MiB; rank 0 of {FAKE_RANKS}: shards {got['shards'] / mib:.0f} "
-          f"MiB, largest unit {got['largest_unit'] / mib:.0f} MiB, peak RSS grew {grown / mib:.0f} MiB")
+    print(
+        f"\nfull fp32 model {got['full'] / mib:.0f} MiB; rank 0 of {FAKE_RANKS}: shards {got['shards'] / mib:.0f} "
+        f"MiB, largest unit {got['largest_unit'] / mib:.0f} MiB, peak RSS grew {grown / mib:.0f} MiB"
+    )
     assert got["shards"] == pytest.approx(got["full"] / FAKE_RANKS, rel=0.01)
     assert grown < got["full"] / 2, "the rank held far more than its shards"
     assert grown < got["shards"] + got["largest_unit"] + 256 * mib

@@ -28,9 +28,18 @@ BATCH = 8
 
 
 def request(family: str, workers: int, seq_len: int, search: str = "auto") -> PlanRequest:
-    return PlanRequest(planner="osdp", model_label=f"{family}-tiny", nodes=1, workers_per_node=workers,
-                       device=get_preset("cpu"), memory_limit_bytes=8 * GIB, seq_len=seq_len,
-                       micro_batch_size=BATCH, global_batch_size=None, search=search)
+    return PlanRequest(
+        planner="osdp",
+        model_label=f"{family}-tiny",
+        nodes=1,
+        workers_per_node=workers,
+        device=get_preset("cpu"),
+        memory_limit_bytes=8 * GIB,
+        seq_len=seq_len,
+        micro_batch_size=BATCH,
+        global_batch_size=None,
+        search=search,
+    )
 
 
 @cache
@@ -38,6 +47,7 @@ def context(family: str, n_layers: int, workers: int, seq_len: int) -> Context:
     def build(device: str) -> torch.nn.Module:
         with torch.device(device):
             return build_zoo_model(family, "tiny", n_layers=n_layers)
+
     return build_context(build, request(family, workers, seq_len), None)
 
 
@@ -54,8 +64,12 @@ class Case:
         return f"{self.family}-L{self.n_layers}-w{self.workers}-s{self.seq_len}-k{self.per_unit}-{self.seed}"
 
 
-CASES = [Case("llama", 1, 2, 64, 5, 0), Case("llama", 1, 4, 64, 5, 1), Case("gpt2", 1, 4, 32, 5, 2),
-         Case("gpt2", 1, 2, 64, 6, 3)]
+CASES = [
+    Case("llama", 1, 2, 64, 5, 0),
+    Case("llama", 1, 4, 64, 5, 1),
+    Case("gpt2", 1, 4, 32, 5, 2),
+    Case("gpt2", 1, 2, 64, 6, 3),
+]
 
 
 class BruteForce:
@@ -154,7 +168,8 @@ def test_ties_resolve_to_the_fastest_runtime(mode: str) -> None:
     units = [u.name for u in ctx.profile.units]
     for u in units:  # the tie is real: the time model charges DP and HSDP over groups of one the same
         assert unit_seconds(ctx, u, Option(Strategy.DDP, 1), BATCH, 1) == unit_seconds(
-            ctx, u, Option(Strategy.HSDP, 1), BATCH, 1)
+            ctx, u, Option(Strategy.HSDP, 1), BATCH, 1
+        )
     options = osdp.unit_option_lists(ctx, req)
     chosen = searched(ctx, mode, options, 8 * GIB)
     assert chosen == {u: Option(Strategy.DDP, 1) for u in units}

@@ -56,8 +56,9 @@ def test_manual_plan_is_evaluated_and_edits_change_predictions(tmp_path: Path) -
     edited = tmp_path / "edited.json"
     edited.write_text(json.dumps(data))
     out = tmp_path / "manual.json"
-    result = run_cli("plan", tiny, "planner.name=manual", f"planner.plan_file={edited}", "--out", str(out),
-                     cwd=tmp_path)
+    result = run_cli(
+        "plan", tiny, "planner.name=manual", f"planner.plan_file={edited}", "--out", str(out), cwd=tmp_path
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     manual = Plan.from_file(out)
     zero3 = Plan.from_file(first)

@@ -16,21 +16,30 @@ from osdp_platform.cluster import pool_request
 from osdp_platform.recipe_loader import load_recipe
 
 
-@pytest.mark.parametrize(("preset", "pool"), [
-    ("a100-40gb", "A100_40GB"), ("a100-80gb", "A100_80GB"), ("h100-80gb", "H100_80GB"),
-    ("h200-141gb", "H200_141GB"), ("rtx-titan-24gb", "RTX_TITAN_24GB"),
-])
+@pytest.mark.parametrize(
+    ("preset", "pool"),
+    [
+        ("a100-40gb", "A100_40GB"),
+        ("a100-80gb", "A100_80GB"),
+        ("h100-80gb", "H100_80GB"),
+        ("h200-141gb", "H200_141GB"),
+        ("rtx-titan-24gb", "RTX_TITAN_24GB"),
+    ],
+)
 def test_a_gpu_recipe_asks_for_its_presets_pool(preset: str, pool: str) -> None:
     hw = load_recipe(RECIPES / "llama.yaml", [f"hardware.preset={preset}"]).hardware
     assert hw.pool == "auto" and hw.pool_resource == pool
     assert pool_request(hw) == {pool: 1.0}
 
 
-@pytest.mark.parametrize(("overrides", "resource"), [
-    ([], None),  # a CPU recipe: no pool unless it names one
-    (["hardware.pool=any"], None),
-    (["hardware.pool=SPOT_CPU"], "SPOT_CPU"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "resource"),
+    [
+        ([], None),  # a CPU recipe: no pool unless it names one
+        (["hardware.pool=any"], None),
+        (["hardware.pool=SPOT_CPU"], "SPOT_CPU"),
+    ],
+)
 def test_cpu_recipes_and_explicit_pools(overrides: list[str], resource: str | None) -> None:
     hw = load_recipe(RECIPES / "tiny.yaml", overrides).hardware
     assert hw.pool_resource == resource
@@ -41,12 +50,15 @@ def test_a_gpu_recipe_can_run_on_any_gpu() -> None:
     assert load_recipe(RECIPES / "llama.yaml", ["hardware.pool=any"]).hardware.pool_resource is None
 
 
-@pytest.mark.parametrize(("pool", "words"), [
-    ("GPU", "a resource Ray defines for every node"),
-    ("memory", "a resource Ray defines for every node"),
-    ("A100 80GB", "is not a Ray resource name"),
-    ("_A100", "is not a Ray resource name"),
-])
+@pytest.mark.parametrize(
+    ("pool", "words"),
+    [
+        ("GPU", "a resource Ray defines for every node"),
+        ("memory", "a resource Ray defines for every node"),
+        ("A100 80GB", "is not a Ray resource name"),
+        ("_A100", "is not a Ray resource name"),
+    ],
+)
 def test_a_pool_that_is_no_custom_resource_is_refused(pool: str, words: str) -> None:
     with pytest.raises(UserErrors) as info:
         load_recipe(RECIPES / "llama.yaml", [f"hardware.pool={pool}"])
@@ -66,7 +78,13 @@ def test_a_local_run_provides_the_pool_for_every_worker(tmp_path: Path) -> None:
         "print('LOCAL_POOL', ray.cluster_resources().get('LOCAL_POOL'))\n"
         "ray.shutdown()\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=180,
-                            env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "RAY_USAGE_STATS_ENABLED": "0"})
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "RAY_USAGE_STATS_ENABLED": "0"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "LOCAL_POOL 3.0" in result.stdout

@@ -34,8 +34,10 @@ def test_every_shipped_recipe_validates() -> None:
 
 def test_extends_interpolation_and_overrides(tmp_path: Path) -> None:
     write(tmp_path / "base.yaml", BASE)
-    child = write(tmp_path / "child.yaml", "extends: base.yaml\nname: child\ntrain: {lr: 0.01}\n"
-                  "data: {seq_len: '${train.steps}'}\n")
+    child = write(
+        tmp_path / "child.yaml",
+        "extends: base.yaml\nname: child\ntrain: {lr: 0.01}\ndata: {seq_len: '${train.steps}'}\n",
+    )
     recipe = load_recipe(child, ["train.steps=5", "hardware.nodes=2"])
     assert recipe.name == "child"
     assert recipe.train.steps == 5
@@ -58,8 +60,7 @@ def test_extends_interpolation_and_overrides(tmp_path: Path) -> None:
         (["hardware.preset=tpu-v9"], "hardware", "tpu-v9"),
         (["data.source=text_file", "data.path=/no/such/file.txt"], "data", "/no/such/file.txt"),
         (["train.global_batch_size=6"], "", "multiple of micro_batch_size"),
-        (["hardware.memory_per_device_gb=1", "planner.memory_reserve_gb=2"], "planner.memory_reserve_gb",
-         "lower it"),
+        (["hardware.memory_per_device_gb=1", "planner.memory_reserve_gb=2"], "planner.memory_reserve_gb", "lower it"),
         (["model.target=nomodule"], "model", "not both"),
         (["model.family=null", "model.size=null", "model.target=nomodule"], "model", "package.module:factory"),
     ],
@@ -97,8 +98,14 @@ def test_cli_exit_code_2_without_traceback(tmp_path: Path) -> None:
 
 def test_gpu_pool_on_machine_without_gpus_fails_fast(tmp_path: Path) -> None:
     path = write(tmp_path / "r.yaml", BASE)
-    result = run_cli("submit", str(path), "hardware.accelerator=gpu", "hardware.preset=a100-80gb",
-                     "hardware.workers_per_node=8", cwd=tmp_path)
+    result = run_cli(
+        "submit",
+        str(path),
+        "hardware.accelerator=gpu",
+        "hardware.preset=a100-80gb",
+        "hardware.workers_per_node=8",
+        cwd=tmp_path,
+    )
     assert result.returncode == 2
     assert "needs 8 GPUs" in result.stderr
     assert "Traceback" not in result.stderr
@@ -126,7 +133,11 @@ def test_user_errors_survive_pickling_with_their_fields() -> None:
     one = UserError("planner.memory_limit_gb", 0.5, "no plan fits", "raise it")
     back = pickle.loads(pickle.dumps(one))
     assert type(back) is UserError and str(back) == str(one)
-    assert (back.field, back.value, back.problem, back.fix) == ("planner.memory_limit_gb", 0.5, "no plan fits",
-                                                                "raise it")
+    assert (back.field, back.value, back.problem, back.fix) == (
+        "planner.memory_limit_gb",
+        0.5,
+        "no plan fits",
+        "raise it",
+    )
     many = pickle.loads(pickle.dumps(UserErrors("r.yaml", [one, one])))
     assert str(many) == str(UserErrors("r.yaml", [one, one])) and len(many.errors) == 2

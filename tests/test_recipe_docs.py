@@ -16,12 +16,17 @@ def test_readme_reference_matches_the_schema() -> None:
     readme = REPO / "README.md"
     assert recipe_docs.current_block(readme) == recipe_docs.readme_block(), (
         "README.md's recipe reference differs from platform/recipe.py: run `make docs` "
-        "(or .venv/bin/python -m osdp_platform.recipe_docs --write README.md) and commit the result")
+        "(or .venv/bin/python -m osdp_platform.recipe_docs --write README.md) and commit the result"
+    )
 
 
 def test_every_recipe_field_has_a_description() -> None:
-    missing = [f"{section.name}.{key}" if section.name else key
-               for section in recipe_docs.sections() for key in section.keys if not key.meaning]
+    missing = [
+        f"{section.name}.{key}" if section.name else key
+        for section in recipe_docs.sections()
+        for key in section.keys
+        if not key.meaning
+    ]
     missing += [name for name, info in Recipe.model_fields.items() if not info.description]
     assert not missing, f"add Field(description=...) in platform/recipe.py for {missing}"
 
@@ -30,21 +35,24 @@ def _keys() -> dict[str, recipe_docs.Key]:
     return {key.path: key for section in recipe_docs.sections() for key in section.keys}
 
 
-@pytest.mark.parametrize(("path", "type_", "default"), [
-    ("name", "str", "`run`"),
-    ("data.source", "`synthetic` or `corpus` or `text_file` or `token_files`", "`corpus`"),
-    ("data.seq_len", "int >= 2", "`64`"),
-    ("hardware.nodes", "int > 0", "`1`"),
-    ("hardware.autoscaling", "bool", "`false`"),
-    ("hardware.memory_per_device_gb", "float > 0 or null", "`null`"),
-    ("hardware.wait_for_nodes_s", "float > 0", "`600`"),
-    ("planner.memory_margin", "0 <= float < 0.5 or null", "`null`"),
-    ("model.hf_config", "mapping or str or null", "`null`"),
-    ("model.kwargs", "mapping", "`{}`"),
-    ("train.micro_batch_size", "int > 0 or `auto`", "`4`"),
-    ("train.lr", "float > 0", "`0.001`"),
-    ("train.max_failures", "int >= -1", "`1`"),
-])
+@pytest.mark.parametrize(
+    ("path", "type_", "default"),
+    [
+        ("name", "str", "`run`"),
+        ("data.source", "`synthetic` or `corpus` or `text_file` or `token_files`", "`corpus`"),
+        ("data.seq_len", "int >= 2", "`64`"),
+        ("hardware.nodes", "int > 0", "`1`"),
+        ("hardware.autoscaling", "bool", "`false`"),
+        ("hardware.memory_per_device_gb", "float > 0 or null", "`null`"),
+        ("hardware.wait_for_nodes_s", "float > 0", "`600`"),
+        ("planner.memory_margin", "0 <= float < 0.5 or null", "`null`"),
+        ("model.hf_config", "mapping or str or null", "`null`"),
+        ("model.kwargs", "mapping", "`{}`"),
+        ("train.micro_batch_size", "int > 0 or `auto`", "`4`"),
+        ("train.lr", "float > 0", "`0.001`"),
+        ("train.max_failures", "int >= -1", "`1`"),
+    ],
+)
 def test_types_bounds_and_defaults_read_as_a_recipe_writes_them(path: str, type_: str, default: str) -> None:
     key = _keys()[path]
     assert (key.type, key.default) == (type_, default)
@@ -82,8 +90,9 @@ def test_write_replaces_only_the_block_and_refuses_a_file_without_markers(tmp_pa
         recipe_docs.write_readme(no_markers)
 
 
-def test_validate_explain_prints_the_reference(capsys: pytest.CaptureFixture[str],
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_validate_explain_prints_the_reference(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("COLUMNS", "250")  # one table row per line
     assert main(["validate", "--explain"]) == 0
     out = capsys.readouterr().out
@@ -93,8 +102,9 @@ def test_validate_explain_prints_the_reference(capsys: pytest.CaptureFixture[str
     assert "this recipe" not in out
 
 
-def test_validate_explain_with_a_recipe_shows_its_values(capsys: pytest.CaptureFixture[str],
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_validate_explain_with_a_recipe_shows_its_values(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("COLUMNS", "250")
     assert main(["validate", str(RECIPES / "tiny.yaml"), "train.steps=7", "--explain"]) == 0
     out = capsys.readouterr().out

@@ -30,8 +30,7 @@ NODE_TYPES = {
 
 @pytest.fixture(scope="module")
 def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayHead]:
-    head = start_head(tmp_path_factory.mktemp("head"), num_cpus=0, node_types=NODE_TYPES,
-                      idle_timeout_s=IDLE_TIMEOUT_S)
+    head = start_head(tmp_path_factory.mktemp("head"), num_cpus=0, node_types=NODE_TYPES, idle_timeout_s=IDLE_TIMEOUT_S)
     try:
         yield head
     finally:
@@ -48,8 +47,7 @@ def project(tmp_path: Path) -> Path:
 
 
 def run_cli(*args: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([CLI, *args], cwd=cwd, env=client_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([CLI, *args], cwd=cwd, env=client_env(), capture_output=True, text=True, timeout=timeout)
 
 
 class NodeWatcher:
@@ -89,9 +87,18 @@ def test_jobs_api_submit_grows_the_pool_it_names_trains_and_lets_the_nodes_go(he
     db = project / "tracking" / "mlflow.db"
     db.parent.mkdir()
     watcher = NodeWatcher(head)
-    result = run_cli("submit", "recipes/tiny.yaml", "train.steps=3", "hardware.autoscaling=true",
-                     "hardware.pool=POOL_B", f"tracking.uri=sqlite:///{db}", "--address", head.dashboard_url,
-                     cwd=project, timeout=420)
+    result = run_cli(
+        "submit",
+        "recipes/tiny.yaml",
+        "train.steps=3",
+        "hardware.autoscaling=true",
+        "hardware.pool=POOL_B",
+        f"tracking.uri=sqlite:///{db}",
+        "--address",
+        head.dashboard_url,
+        cwd=project,
+        timeout=420,
+    )
     seen = watcher.stop()
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-4000:]
@@ -117,17 +124,30 @@ def test_jobs_api_submit_grows_the_pool_it_names_trains_and_lets_the_nodes_go(he
     _wait_until_no_workers(head, IDLE_TIMEOUT_S + 60)
 
 
-@pytest.mark.parametrize(("autoscaling", "problem"), [
-    ("false", "nodes advertise 0"),
-    # the autoscaler has no node type with the pool: the planner waits hardware.wait_for_nodes_s, then stops
-    ("true", "no node with 1 CPU and 1 unit of 'POOL_C' free was there for the planner within 5 s"),
-])
-def test_a_user_error_inside_the_job_exits_2_on_the_client(head: RayHead, project: Path, autoscaling: str,
-                                                           problem: str) -> None:
+@pytest.mark.parametrize(
+    ("autoscaling", "problem"),
+    [
+        ("false", "nodes advertise 0"),
+        # the autoscaler has no node type with the pool: the planner waits hardware.wait_for_nodes_s, then stops
+        ("true", "no node with 1 CPU and 1 unit of 'POOL_C' free was there for the planner within 5 s"),
+    ],
+)
+def test_a_user_error_inside_the_job_exits_2_on_the_client(
+    head: RayHead, project: Path, autoscaling: str, problem: str
+) -> None:
     db = project / "mlflow.db"
-    result = run_cli("submit", "recipes/tiny.yaml", "hardware.pool=POOL_C", f"hardware.autoscaling={autoscaling}",
-                     "hardware.wait_for_nodes_s=5", f"tracking.uri=sqlite:///{db}", "--address", head.dashboard_url,
-                     cwd=project, timeout=240)
+    result = run_cli(
+        "submit",
+        "recipes/tiny.yaml",
+        "hardware.pool=POOL_C",
+        f"hardware.autoscaling={autoscaling}",
+        "hardware.wait_for_nodes_s=5",
+        f"tracking.uri=sqlite:///{db}",
+        "--address",
+        head.dashboard_url,
+        cwd=project,
+        timeout=240,
+    )
     out = result.stdout + result.stderr
     assert result.returncode == 2, out[-4000:]
     assert "hardware.pool = 'POOL_C'" in out and problem in out, out[-4000:]
@@ -139,8 +159,15 @@ def test_ray_client_address_reaches_the_same_cluster(head: RayHead, project: Pat
     # The driver stays here and asks the cluster for its resources through the Ray client: a pool of
     # 3 CPU workers without autoscaling meets a head that offers none, and the mistake is reported as such.
     for _ in range(2):
-        result = run_cli("submit", "recipes/tiny.yaml", "hardware.workers_per_node=3", "--address",
-                         head.client_address, cwd=project, timeout=240)
+        result = run_cli(
+            "submit",
+            "recipes/tiny.yaml",
+            "hardware.workers_per_node=3",
+            "--address",
+            head.client_address,
+            cwd=project,
+            timeout=240,
+        )
         out = result.stdout + result.stderr
         # On a loaded machine the head's Ray client server sometimes loses the per-client server it
         # forks (a gRPC fork crash inside Ray); that is Ray's, not the platform's: connect again, once.
@@ -151,9 +178,12 @@ def test_ray_client_address_reaches_the_same_cluster(head: RayHead, project: Pat
     assert "Traceback" not in out
 
 
-def test_jobs_api_refuses_a_recipe_outside_the_shipped_folder(project: Path, tmp_path_factory: pytest.TempPathFactory,
-                                                              monkeypatch: pytest.MonkeyPatch,
-                                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_jobs_api_refuses_a_recipe_outside_the_shipped_folder(
+    project: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     elsewhere = tmp_path_factory.mktemp("elsewhere")
     monkeypatch.chdir(elsewhere)
     code = main(["submit", str(project / "recipes" / "tiny.yaml"), "--address", "http://127.0.0.1:9"])
@@ -163,8 +193,9 @@ def test_jobs_api_refuses_a_recipe_outside_the_shipped_folder(project: Path, tmp
 
 
 @pytest.mark.parametrize("command", ["submit", "sweep"])
-def test_jobs_api_address_that_does_not_answer(command: str, project: Path, monkeypatch: pytest.MonkeyPatch,
-                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_jobs_api_address_that_does_not_answer(
+    command: str, project: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.chdir(project)
     code = main([command, "recipes/tiny.yaml", "--address", "http://127.0.0.1:9"])
     assert code == 2

@@ -85,14 +85,19 @@ def reference(store: Store) -> list[float]:
 
 @pytest.fixture(scope="module")
 def faulty(store: Store) -> RunSummary:
-    recipe = load_recipe(RECIPES / "tiny.yaml", store.overrides(
-        f"train.steps={FAULT_STEPS}", "train.checkpoint_every=2", f"train.checkpoint_dir=file://{store.root}/ckpts",
-        "train.checkpoints_to_keep=1"))
+    recipe = load_recipe(
+        RECIPES / "tiny.yaml",
+        store.overrides(
+            f"train.steps={FAULT_STEPS}",
+            "train.checkpoint_every=2",
+            f"train.checkpoint_dir=file://{store.root}/ckpts",
+            "train.checkpoints_to_keep=1",
+        ),
+    )
     return submit(recipe, train_fn=KillOnce(str(store.root / "killed"), FAULT_AT))
 
 
-def test_killed_worker_resumes_from_last_checkpoint(store: Store, reference: list[float],
-                                                    faulty: RunSummary) -> None:
+def test_killed_worker_resumes_from_last_checkpoint(store: Store, reference: list[float], faulty: RunSummary) -> None:
     assert (store.root / "killed").exists(), "the fault never fired"
     logged = store.losses(faulty.run_id)
     # step 2 ran twice: before the kill, and again after the restart from the checkpoint at step 2
@@ -118,21 +123,28 @@ def _split_ddp_plan(store: Store, recipe_overrides: list[str]) -> Path:
     recipe = load_recipe(RECIPES / "tiny.yaml", store.overrides(*recipe_overrides))
     base = uniform_plan(build_model(recipe.model, "meta"), plan_request(recipe), Strategy.DDP, 2, 1)
     splits = {"layers.0.mlp": 2, "layers.1.attn": 4}
-    plan = base.model_copy(update={"units": [u.model_copy(update={"split": splits.get(u.name, 1)})
-                                             for u in base.units]})
+    plan = base.model_copy(
+        update={"units": [u.model_copy(update={"split": splits.get(u.name, 1)}) for u in base.units]}
+    )
     path = store.root / "split-ddp-plan.json"
     path.write_text(plan.to_json())
     return path
 
 
-def test_resume_under_another_plan_worker_count_and_split(store: Store, reference: list[float],
-                                                          faulty: RunSummary) -> None:
+def test_resume_under_another_plan_worker_count_and_split(
+    store: Store, reference: list[float], faulty: RunSummary
+) -> None:
     """Model and optimizer state are saved under unsplit names, so other split factors load them."""
-    overrides = [f"train.steps={REFERENCE_STEPS}", "hardware.workers_per_node=4", "train.micro_batch_size=2",
-                 "train.global_batch_size=8"]
+    overrides = [
+        f"train.steps={REFERENCE_STEPS}",
+        "hardware.workers_per_node=4",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=8",
+    ]
     plan_file = _split_ddp_plan(store, overrides)
-    recipe = load_recipe(RECIPES / "tiny.yaml", store.overrides(*overrides, "planner.name=manual",
-                                                                f"planner.plan_file={plan_file}"))
+    recipe = load_recipe(
+        RECIPES / "tiny.yaml", store.overrides(*overrides, "planner.name=manual", f"planner.plan_file={plan_file}")
+    )
     summary = submit(recipe, resume=faulty.run_id)
     assert summary.plan.world_size == 4 and {u.strategy for u in summary.plan.units} == {Strategy.DDP}
     saved = {u.name: u.split for u in faulty.plan.units}
@@ -151,12 +163,14 @@ def _submit_cli(store: Store, capsys: pytest.CaptureFixture[str], *args: str) ->
     return code, capsys.readouterr().err
 
 
-def test_resume_refuses_what_it_cannot_continue(store: Store, reference: list[float], faulty: RunSummary,
-                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_resume_refuses_what_it_cannot_continue(
+    store: Store, reference: list[float], faulty: RunSummary, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, err = _submit_cli(store, capsys, "--resume", "0123456789abcdef")
     assert code == EXIT_USER_ERROR and "--resume = '0123456789abcdef'" in err and "no MLflow run" in err
     runs = MlflowClient(store.uri).search_runs(
-        [MlflowClient(store.uri).get_experiment_by_name("osdp-tiny").experiment_id])
+        [MlflowClient(store.uri).get_experiment_by_name("osdp-tiny").experiment_id]
+    )
     unsaved = next(r.info.run_id for r in runs if "checkpoint_path" not in r.data.tags)
     code, err = _submit_cli(store, capsys, "--resume", unsaved)
     assert code == EXIT_USER_ERROR and "wrote no checkpoint" in err and "train.checkpoint_every" in err
@@ -164,8 +178,8 @@ def test_resume_refuses_what_it_cannot_continue(store: Store, reference: list[fl
     assert code == EXIT_USER_ERROR and f"train.steps = {FAULT_STEPS}" in err and f"above {FAULT_STEPS}" in err
 
 
-def test_resume_refuses_another_model(store: Store, faulty: RunSummary,
-                                      capsys: pytest.CaptureFixture[str]) -> None:
-    code, err = _submit_cli(store, capsys, "model.kwargs.n_layers=3", f"train.steps={REFERENCE_STEPS}",
-                            "--resume", faulty.run_id)
+def test_resume_refuses_another_model(store: Store, faulty: RunSummary, capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = _submit_cli(
+        store, capsys, "model.kwargs.n_layers=3", f"train.steps={REFERENCE_STEPS}", "--resume", faulty.run_id
+    )
     assert code == EXIT_USER_ERROR and "structure hash" in err and "same model section" in err

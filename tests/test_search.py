@@ -39,10 +39,10 @@ class Enumeration:
         self.cands = cands
         self.choices = np.array(list(itertools.product(*(range(len(unit)) for unit in cands))), dtype=np.int64)
         cols = range(len(cands))
-        self.resident = np.array([[cands[u][i].resident for u, i in zip(cols, c, strict=True)]
-                                  for c in self.choices])
-        self.max_transient = np.array([max(cands[u][i].transient for u, i in zip(cols, c, strict=True))
-                                       for c in self.choices])
+        self.resident = np.array([[cands[u][i].resident for u, i in zip(cols, c, strict=True)] for c in self.choices])
+        self.max_transient = np.array(
+            [max(cands[u][i].transient for u, i in zip(cols, c, strict=True)) for c in self.choices]
+        )
         self.time = np.array([sum(cands[u][i].time_s for u, i in zip(cols, c, strict=True)) for c in self.choices])
 
     def bounds(self, quantum: float) -> np.ndarray:
@@ -122,11 +122,17 @@ def random_instance(rng: random.Random, integer: bool) -> Cands:
         unit = []
         for _ in range(rng.randint(1, 6)):
             if integer:  # small integers: exact ties and exact boundary budgets (quantum 1 below BUCKETS)
-                unit.append(Candidate(rng.randint(0, 300), rng.choice([0, 0, rng.randint(0, 200)]),
-                                      rng.choice([1.0, 2.0, 3.0, rng.uniform(0.5, 5.0)])))
+                unit.append(
+                    Candidate(
+                        rng.randint(0, 300),
+                        rng.choice([0, 0, rng.randint(0, 200)]),
+                        rng.choice([1.0, 2.0, 3.0, rng.uniform(0.5, 5.0)]),
+                    )
+                )
             else:
-                unit.append(Candidate(rng.uniform(0, 5e6), rng.uniform(0, 3e6) * rng.random() ** 2,
-                                      rng.lognormvariate(0, 1)))
+                unit.append(
+                    Candidate(rng.uniform(0, 5e6), rng.uniform(0, 3e6) * rng.random() ** 2, rng.lognormvariate(0, 1))
+                )
         out.append(unit)
     return out
 
@@ -169,27 +175,53 @@ def test_solve_matches_brute_force_with_an_explicit_quantum() -> None:
 # --- real candidates from a profiled zoo model --------------------------------------------------------------
 
 
-def request(family: str = "llama", workers: int = 4, limit: float = 8 * GIB, precision: str = "fp32",
-            optimizer: str = "adamw", seq_len: int = 32, global_batch: int | None = None) -> PlanRequest:
-    return PlanRequest(planner="osdp", model_label=f"{family}-tiny", nodes=1, workers_per_node=workers,
-                       device=get_preset("cpu"), memory_limit_bytes=int(limit), seq_len=seq_len,
-                       micro_batch_size=None, global_batch_size=global_batch, precision=precision,
-                       optimizer=optimizer)
+def request(
+    family: str = "llama",
+    workers: int = 4,
+    limit: float = 8 * GIB,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    seq_len: int = 32,
+    global_batch: int | None = None,
+) -> PlanRequest:
+    return PlanRequest(
+        planner="osdp",
+        model_label=f"{family}-tiny",
+        nodes=1,
+        workers_per_node=workers,
+        device=get_preset("cpu"),
+        memory_limit_bytes=int(limit),
+        seq_len=seq_len,
+        micro_batch_size=None,
+        global_batch_size=global_batch,
+        precision=precision,
+        optimizer=optimizer,
+    )
 
 
-def builder(family: str, n_layers: int, vocab_size: int | None = None, dim: int | None = None
-            ) -> Callable[[str], torch.nn.Module]:
+def builder(
+    family: str, n_layers: int, vocab_size: int | None = None, dim: int | None = None
+) -> Callable[[str], torch.nn.Module]:
     """A tiny zoo model's constructor on any device, as make_plan_for takes it."""
 
     def build(device: str) -> torch.nn.Module:
         with torch.device(device):
             return build_zoo_model(family, "tiny", n_layers=n_layers, vocab_size=vocab_size, dim=dim)
+
     return build
 
 
 @cache
-def context(family: str, n_layers: int = 2, workers: int = 4, precision: str = "fp32", optimizer: str = "adamw",
-            vocab_size: int | None = None, dim: int | None = None, seq_len: int = 32) -> Context:
+def context(
+    family: str,
+    n_layers: int = 2,
+    workers: int = 4,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    vocab_size: int | None = None,
+    dim: int | None = None,
+    seq_len: int = 32,
+) -> Context:
     req = request(family, workers, precision=precision, optimizer=optimizer, seq_len=seq_len)
     return build_context(builder(family, n_layers, vocab_size, dim), req, None)
 
@@ -218,8 +250,12 @@ def test_solve_matches_brute_force_on_real_candidates(seed: int) -> None:
     for batch, accum in ((1, 1), (8, 2)):
         every = Enumeration(search_candidates(ctx, options, batch, accum))
         raw = np.sort(every.bounds(1.0))
-        limits = [0.9 * raw[0], raw[0] * 1.001, *(raw[int(f * (len(raw) - 1))] for f in (0.05, 0.3, 0.6, 0.9)),
-                  raw[-1] * 1.001]
+        limits = [
+            0.9 * raw[0],
+            raw[0] * 1.001,
+            *(raw[int(f * (len(raw) - 1))] for f in (0.05, 0.3, 0.6, 0.9)),
+            raw[-1] * 1.001,
+        ]
         outcomes = set()
         for limit in limits:
             check_against_brute_force(every, float(limit))
@@ -232,6 +268,7 @@ def test_solve_matches_brute_force_on_real_candidates(seed: int) -> None:
 
 
 # --- safety: the search's bound covers the simulated peak ---------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -248,12 +285,16 @@ class Shape:
     batches: tuple[int, ...] = (1, 3, 16)
 
     def __str__(self) -> str:
-        return (f"{self.family}-{self.precision}-{self.optimizer}-w{self.workers}-L{self.n_layers}"
-                f"-v{self.vocab or 'tiny'}-d{self.dim or 'tiny'}-s{self.seq_len}")
+        return (
+            f"{self.family}-{self.precision}-{self.optimizer}-w{self.workers}-L{self.n_layers}"
+            f"-v{self.vocab or 'tiny'}-d{self.dim or 'tiny'}-s{self.seq_len}"
+        )
 
 
 SAFETY_CASES = [
-    Shape("llama"), Shape("llama", "bf16-mixed", "sgd", workers=2), Shape("gpt2"),
+    Shape("llama"),
+    Shape("llama", "bf16-mixed", "sgd", workers=2),
+    Shape("gpt2"),
     Shape("gpt2", "bf16-mixed", workers=2),
     # wide vocabulary, narrow model, long sequences: the loss region dominates and the bound is within
     # about 0.01% of the simulated peak (the tightest case found)
@@ -296,9 +337,15 @@ def smallest_need(ctx: Context, workers: int) -> float:
     peaks = []
     for split in (1, 2, 4, 8):
         for ckpt in (False, True):
-            options = {u.name: Option(Strategy.ZERO3, workers, split if ctx.profile.linear_bytes[u.name] else 1,
-                                      ckpt and any(m.unit == u.name for m in ctx.profile.modules))
-                       for u in ctx.profile.units}
+            options = {
+                u.name: Option(
+                    Strategy.ZERO3,
+                    workers,
+                    split if ctx.profile.linear_bytes[u.name] else 1,
+                    ckpt and any(m.unit == u.name for m in ctx.profile.modules),
+                )
+                for u in ctx.profile.units
+            }
             peaks.append(simulate(ctx.profile, options, 1, ctx.compute_bytes, ctx.optimizer).peak)
     return min(peaks)
 
@@ -322,10 +369,12 @@ def gib_after(text: str, words: str) -> tuple[float, float]:
     return float(found.group(1)), 0.5 * 10.0 ** -len(found.group(2) or "")
 
 
-@pytest.mark.parametrize(("family", "vocab", "dim"), [("llama", None, None), ("gpt2", None, None),
-                                                      ("llama", 1024, 128)])  # 0.0032037 GiB: rounds down
+@pytest.mark.parametrize(
+    ("family", "vocab", "dim"), [("llama", None, None), ("gpt2", None, None), ("llama", 1024, 128)]
+)  # 0.0032037 GiB: rounds down
 def test_infeasible_limit_names_the_smallest_footprint_and_the_threshold_holds(
-        family: str, vocab: int | None, dim: int | None) -> None:
+    family: str, vocab: int | None, dim: int | None
+) -> None:
     ctx = context(family, vocab_size=vocab, dim=dim)
     need = osdp.smallest_footprint(ctx, request(family)).evaluation.peak_bytes
     assert need <= smallest_need(ctx, 4)  # never more than the plainest smallest plans need
@@ -343,8 +392,10 @@ def test_infeasible_limit_names_the_smallest_footprint_and_the_threshold_holds(
     assert plan.predicted.peak_memory_bytes <= math.ceil(need)
 
 
-@pytest.mark.parametrize(("family", "factor", "global_batch"),
-                         [("llama", 1.3, None), ("llama", 4.0, None), ("gpt2", 2.0, 64), ("gpt2", 40.0, None)])
+@pytest.mark.parametrize(
+    ("family", "factor", "global_batch"),
+    [("llama", 1.3, None), ("llama", 4.0, None), ("gpt2", 2.0, 64), ("gpt2", 40.0, None)],
+)
 def test_planned_peak_fits_the_limit(family: str, factor: float, global_batch: int | None) -> None:
     ctx = context(family)
     need = osdp.smallest_footprint(ctx, request(family)).evaluation.peak_bytes
@@ -355,8 +406,9 @@ def test_planned_peak_fits_the_limit(family: str, factor: float, global_batch: i
     assert plan.predicted.peak_memory_bytes <= limit
     # the reported peak is the event timeline of the plan as written (recomputed from the plan's units)
     chosen = {u.name: Option.of(u) for u in plan.units}
-    peak = simulate(result.context.profile, chosen, plan.micro_batch_size, ctx.compute_bytes, ctx.optimizer,
-                    plan.grad_accum_steps).peak
+    peak = simulate(
+        result.context.profile, chosen, plan.micro_batch_size, ctx.compute_bytes, ctx.optimizer, plan.grad_accum_steps
+    ).peak
     assert plan.predicted.peak_memory_bytes == int(peak)
     assert peak <= limit
     if global_batch is not None:
@@ -365,8 +417,14 @@ def test_planned_peak_fits_the_limit(family: str, factor: float, global_batch: i
 
 def choice(throughput: float, *kinds: Option) -> osdp.Choice:
     """A plan of one unit per option with a given predicted throughput (what prefer_simpler reads)."""
-    ev = osdp.Evaluation(peak_bytes=0.0, step_time_s=1 / throughput, throughput=throughput, unit_time_s={},
-                         unit_resident={}, timeline=None)  # type: ignore[arg-type]  # unused by the choice
+    ev = osdp.Evaluation(
+        peak_bytes=0.0,
+        step_time_s=1 / throughput,
+        throughput=throughput,
+        unit_time_s={},
+        unit_resident={},
+        timeline=None,
+    )  # type: ignore[arg-type]  # unused by the choice
     return osdp.Choice({f"u{i}": o for i, o in enumerate(kinds)}, 1, 1, ev)
 
 

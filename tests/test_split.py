@@ -52,8 +52,9 @@ def test_split_linear_matches_linear(k: int, out_features: int, bias: bool) -> N
 
 def _model(out_features: int, bias: bool, seed: int) -> nn.Sequential:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(IN_FEATURES, out_features, bias=bias), nn.Tanh(),
-                         nn.Linear(out_features, 5, bias=bias))
+    return nn.Sequential(
+        nn.Linear(IN_FEATURES, out_features, bias=bias), nn.Tanh(), nn.Linear(out_features, 5, bias=bias)
+    )
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -101,8 +102,9 @@ def test_weight_property_and_split_names() -> None:
     model = _model(7, True, seed=3)
     split_linear_in(model, "0", 3)
     renamed = to_split_names(model, plain.state_dict())
-    assert {k for k in renamed if k.startswith("0.")} == {f"0.slices.{i}.{n}" for i in range(3)
-                                                         for n in ("weight", "bias")}
+    assert {k for k in renamed if k.startswith("0.")} == {
+        f"0.slices.{i}.{n}" for i in range(3) for n in ("weight", "bias")
+    }
     model.load_state_dict(renamed)
     assert torch.equal(model[0].weight, plain[0].weight)
     assert torch.equal(model[0].bias, plain[0].bias)

@@ -17,15 +17,20 @@ MIB = 1024**2
 
 def test_comma_lists_expand_into_a_grid() -> None:
     assert expand(["a.x=1,2", "b.y=3", "c.z=4, 5"]) == [
-        ["a.x=1", "b.y=3", "c.z=4"], ["a.x=1", "b.y=3", "c.z=5"],
-        ["a.x=2", "b.y=3", "c.z=4"], ["a.x=2", "b.y=3", "c.z=5"]]
+        ["a.x=1", "b.y=3", "c.z=4"],
+        ["a.x=1", "b.y=3", "c.z=5"],
+        ["a.x=2", "b.y=3", "c.z=4"],
+        ["a.x=2", "b.y=3", "c.z=5"],
+    ]
     assert expand(["model.kwargs.dims=[1,2]"]) == [["model.kwargs.dims=[1,2]"]]  # a YAML list is one value
     with pytest.raises(UserError, match="empty"):
         expand(["planner.name=osdp,,zero3"])
 
 
 def test_a_bad_cell_stops_the_sweep_before_anything_starts(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["sweep", str(RECIPES / "tiny.yaml"), "planner.name=osdp,fastest", f"tracking.uri=sqlite:///{workdir}/m.db"])
+    code = main(
+        ["sweep", str(RECIPES / "tiny.yaml"), "planner.name=osdp,fastest", f"tracking.uri=sqlite:///{workdir}/m.db"]
+    )
     err = capsys.readouterr().err
     assert code == EXIT_USER_ERROR and "planner.name" in err and "fastest" in err
     assert not (workdir / "m.db").exists()
@@ -42,10 +47,21 @@ def _num(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
-def test_sweep_over_the_planners(ray_cluster: None, mlflow_server: MlflowServer, workdir: Path,
-                                 capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["sweep", str(RECIPES / "tiny.yaml"), f"planner.name={','.join(PLANNERS)}", "train.steps=3",
-                 f"tracking.uri={mlflow_server.uri}", "tracking.experiment=sweep", "--format", "markdown"])
+def test_sweep_over_the_planners(
+    ray_cluster: None, mlflow_server: MlflowServer, workdir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(
+        [
+            "sweep",
+            str(RECIPES / "tiny.yaml"),
+            f"planner.name={','.join(PLANNERS)}",
+            "train.steps=3",
+            f"tracking.uri={mlflow_server.uri}",
+            "tracking.experiment=sweep",
+            "--format",
+            "markdown",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     printed = _table(out)
@@ -72,8 +88,11 @@ def test_sweep_over_the_planners(ray_cluster: None, mlflow_server: MlflowServer,
         assert row[3] == f"{p['plan.micro_batch_size']} x {p['plan.grad_accum_steps']} x {p['plan.world_size']}"
         assert row[4] == f"{m['predicted_throughput_samples_per_s']:.2f}"
         assert row[5] == f"{m['measured_throughput_samples_per_s']:.2f}"
-        uniform = {k.split("_")[1]: v for k, v in m.items()
-                   if k.endswith("_throughput_samples_per_s") and k.startswith("baseline_")}
+        uniform = {
+            k.split("_")[1]: v
+            for k, v in m.items()
+            if k.endswith("_throughput_samples_per_s") and k.startswith("baseline_")
+        }
         best = max(uniform, key=lambda k: uniform[k])
         assert row[6] == f"{m['predicted_throughput_samples_per_s'] / uniform[best]:.2f}x {best}"
         assert row[7] == f"{m['predicted_peak_memory_bytes'] / MIB:.2f}"
@@ -84,4 +103,5 @@ def test_sweep_over_the_planners(ray_cluster: None, mlflow_server: MlflowServer,
     comparison = next(r for r in runs if r.data.tags["run_kind"] == "comparison")
     assert set(comparison.data.tags["compared_runs"].split()) == {r.info.run_id for r in cells}
     assert {"comparison.png", "comparison.md", "comparison.json"} <= {
-        a.path for a in client.list_artifacts(comparison.info.run_id)}
+        a.path for a in client.list_artifacts(comparison.info.run_id)
+    }

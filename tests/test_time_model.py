@@ -56,10 +56,13 @@ def test_hsdp_over_groups_of_one_is_charged_as_replication() -> None:
 def test_calibrated_uniform_plans_add_what_was_measured(added_ms: tuple[float, float, float]) -> None:
     ctx = context("llama")
     measured = MeasuredTimes({}, {}, 1e-8)
-    overheads = ModelOverheads(step_added_s={s: ms / 1e3 for s, ms in zip(STRATEGIES, added_ms, strict=True)},
-                               optimizer_added_s={"ddp": 6e-3, "zero2": 5e-3, "zero3": 4.5e-3})
-    comm = calibrate(COMM, overheads, ctx.profile, Topology(4, 4, ctx.topo.device, COMM), 4,
-                     measured.optimizer_s_per_param)
+    overheads = ModelOverheads(
+        step_added_s={s: ms / 1e3 for s, ms in zip(STRATEGIES, added_ms, strict=True)},
+        optimizer_added_s={"ddp": 6e-3, "zero2": 5e-3, "zero3": 4.5e-3},
+    )
+    comm = calibrate(
+        COMM, overheads, ctx.profile, Topology(4, 4, ctx.topo.device, COMM), 4, measured.optimizer_s_per_param
+    )
     topo = Topology(4, 4, ctx.topo.device, comm)
     plain_topo = Topology(4, 4, ctx.topo.device, None)
     for name in STRATEGIES:
@@ -68,8 +71,9 @@ def test_calibrated_uniform_plans_add_what_was_measured(added_ms: tuple[float, f
         step = sum(comm_seconds(ctx.profile, u, opt, topo, 4) for u in options) + topo.step_fixed_s
         assert step == pytest.approx(overheads.step_added_s[name], rel=1e-9), name
         plain_options = {u: Option(Strategy.DDP, 1) for u in options}
-        added_opt = (optimizer_seconds(ctx.profile, options, topo, measured)
-                     - optimizer_seconds(ctx.profile, plain_options, plain_topo, measured))
+        added_opt = optimizer_seconds(ctx.profile, options, topo, measured) - optimizer_seconds(
+            ctx.profile, plain_options, plain_topo, measured
+        )
         assert added_opt == pytest.approx(overheads.optimizer_added_s[name], rel=1e-9), name
 
 
@@ -79,15 +83,18 @@ def test_a_calibration_far_off_the_probes_is_taken_as_noise_and_bounded() -> Non
     comm = calibrate(COMM, absurd, ctx.profile, Topology(4, 4, ctx.topo.device, COMM), 4, 1e-8)
     for name in STRATEGIES:
         opt = uniform(Strategy(name), 4)
-        raw = sum(comm_seconds(ctx.profile, u.name, opt, Topology(4, 4, ctx.topo.device, COMM), 4)
-                  for u in ctx.profile.units)
-        scaled = sum(comm_seconds(ctx.profile, u.name, opt, Topology(4, 4, ctx.topo.device, comm), 4)
-                     for u in ctx.profile.units)
+        raw = sum(
+            comm_seconds(ctx.profile, u.name, opt, Topology(4, 4, ctx.topo.device, COMM), 4) for u in ctx.profile.units
+        )
+        scaled = sum(
+            comm_seconds(ctx.profile, u.name, opt, Topology(4, 4, ctx.topo.device, comm), 4) for u in ctx.profile.units
+        )
         assert raw < scaled <= 4 * raw + 1e-12, name
 
 
-def test_model_probe_times_the_model_on_real_ranks_and_caches_it(tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_model_probe_times_the_model_on_real_ranks_and_caches_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("OSDP_CACHE_DIR", str(tmp_path))
     build = builder("llama", 2)
     flops = {u.name: 1.0 for u in context("llama").profile.units}

@@ -85,11 +85,14 @@ def _baselines_beside_the_plan(client: MlflowClient, run_id: str, plan: Plan) ->
         assert [m.step for m in client.get_metric_history(run_id, key)] == [0], key
 
 
-def test_submit_over_http_outlives_the_server_going_away(ray_cluster: None, mlflow_server: MlflowServer,
-                                                        workdir: Path) -> None:
+def test_submit_over_http_outlives_the_server_going_away(
+    ray_cluster: None, mlflow_server: MlflowServer, workdir: Path
+) -> None:
     experiment = "tracking-http"
-    recipe = load_recipe(RECIPES / "tiny.yaml", [f"train.steps={STEPS}", f"tracking.uri={mlflow_server.uri}",
-                                                 f"tracking.experiment={experiment}"])
+    recipe = load_recipe(
+        RECIPES / "tiny.yaml",
+        [f"train.steps={STEPS}", f"tracking.uri={mlflow_server.uri}", f"tracking.experiment={experiment}"],
+    )
     pending = workdir / PENDING_DIR
     away = threading.Thread(target=_server_goes_away_mid_run, args=(mlflow_server, experiment, pending))
     away.start()
@@ -113,24 +116,33 @@ def test_submit_over_http_outlives_the_server_going_away(ray_cluster: None, mlfl
     assert {"plan.json", "recipe.yaml", "profile.json"} | CHART_ARTIFACTS <= artifacts
     metrics = run.data.metrics
     assert metrics["peak_memory_ratio"] == pytest.approx(
-        metrics["measured_peak_memory_bytes"] / metrics["predicted_peak_memory_bytes"])
+        metrics["measured_peak_memory_bytes"] / metrics["predicted_peak_memory_bytes"]
+    )
     assert any(k.startswith("system/") and k.endswith("/cpu_utilization_percentage") for k in metrics), metrics
     _baselines_beside_the_plan(client, summary.run_id, summary.plan)
     tags, params, plan = run.data.tags, run.data.params, summary.plan
-    assert (tags["run_kind"], tags["planner"], tags["model"], tags["hardware"]) == ("train", "osdp", "llama-tiny",
-                                                                                    "1x2 cpu")
+    assert (tags["run_kind"], tags["planner"], tags["model"], tags["hardware"]) == (
+        "train",
+        "osdp",
+        "llama-tiny",
+        "1x2 cpu",
+    )
     assert len(tags["recipe_hash"]) == 16 and len(tags["plan_hash"]) == 16
     assert params["plan.micro_batch_size"] == str(plan.micro_batch_size)
-    per_strategy = Counter(f"hsdp_g{u.shard_group_size}" if u.strategy.value == "hsdp" else u.strategy.value
-                           for u in plan.units)
+    per_strategy = Counter(
+        f"hsdp_g{u.shard_group_size}" if u.strategy.value == "hsdp" else u.strategy.value for u in plan.units
+    )
     assert {k: params[f"plan.units.{k}"] for k in per_strategy} == {k: str(v) for k, v in per_strategy.items()}
     assert params["plan.units.checkpointed"] == str(sum(u.checkpoint for u in plan.units))
 
 
 def test_writes_wait_on_disk_while_the_server_is_away_and_sync_uploads_them(
-        mlflow_server: MlflowServer, tmp_path: Path) -> None:
-    recipe = load_recipe(RECIPES / "tiny.yaml", [f"tracking.uri={mlflow_server.uri}", "tracking.experiment=offline",
-                                                 "tracking.wait_for_server_s=0"])  # the server is back only later
+    mlflow_server: MlflowServer, tmp_path: Path
+) -> None:
+    recipe = load_recipe(
+        RECIPES / "tiny.yaml",
+        [f"tracking.uri={mlflow_server.uri}", "tracking.experiment=offline", "tracking.wait_for_server_s=0"],
+    )  # the server is back only later
     warnings: list[str] = []
     tracker = RunTracker.start(recipe, RunKind.TRAIN, warn=warnings.append)
     tracker.pending_root = tmp_path / "pending"
@@ -165,9 +177,9 @@ def test_writes_wait_on_disk_while_the_server_is_away_and_sync_uploads_them(
     assert (local / "notes.txt").read_text() == "kept"
 
 
-def test_plan_track_records_a_plan_run_with_its_baselines(mlflow_server: MlflowServer, workdir: Path,
-                                                          monkeypatch: pytest.MonkeyPatch,
-                                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_track_records_a_plan_run_with_its_baselines(
+    mlflow_server: MlflowServer, workdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     repo = RECIPES.parent
     monkeypatch.chdir(repo)  # the git commit is the working directory's
     overrides = [f"tracking.uri={mlflow_server.uri}", "tracking.experiment=plans"]
@@ -177,8 +189,7 @@ def test_plan_track_records_a_plan_run_with_its_baselines(mlflow_server: MlflowS
     run_id = out.split("plan recorded as MLflow run ")[1].split()[0]
     client = MlflowClient(mlflow_server.uri)
     run = client.get_run(run_id)
-    assert (run.data.tags["run_kind"], run.data.tags["plan_status"], run.info.status) == ("plan", "planned",
-                                                                                         "FINISHED")
+    assert (run.data.tags["run_kind"], run.data.tags["plan_status"], run.info.status) == ("plan", "planned", "FINISHED")
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True)
     if head.returncode == 0:
         assert run.data.tags["mlflow.source.git.commit"] == head.stdout.strip()
@@ -203,8 +214,13 @@ def test_ui_serves_the_local_store(tmp_path: Path) -> None:
     tracker = RunTracker.create(uri, "ui-check", "seen-in-the-ui", {})
     tracker.finish()
     port = free_port()
-    ui = subprocess.Popen([CLI, "ui", "--uri", uri, "--port", str(port)], cwd=tmp_path, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, start_new_session=True)
+    ui = subprocess.Popen(
+        [CLI, "ui", "--uri", uri, "--port", str(port)],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         _wait_for(lambda: _answers(f"http://127.0.0.1:{port}"), 180, "the UI")
         run = MlflowClient(f"http://127.0.0.1:{port}").get_run(tracker.run_id)

@@ -67,13 +67,15 @@ def test_uniform_planners_on_two_gloo_workers(ray_cluster: None) -> None:
     recipe = load_recipe(RECIPES / "tiny.yaml", ["train.micro_batch_size=2", "data.seq_len=32"])
     plans = {}
     for name in PLANNERS:
-        plans[name] = plan_recipe(recipe.model_copy(update={"planner": recipe.planner.model_copy(
-            update={"name": name})})).plan.model_dump(mode="json")
+        plans[name] = plan_recipe(
+            recipe.model_copy(update={"planner": recipe.planner.model_copy(update={"name": name})})
+        ).plan.model_dump(mode="json")
     results = Queue(actor_options={"num_cpus": 0})
-    trainer = TorchTrainer(_losses_per_planner,
-                           train_loop_config={"recipe": recipe.model_dump(mode="json"), "plans": plans,
-                                              "results": results},
-                           scaling_config=ScalingConfig(num_workers=2))
+    trainer = TorchTrainer(
+        _losses_per_planner,
+        train_loop_config={"recipe": recipe.model_dump(mode="json"), "plans": plans, "results": results},
+        scaling_config=ScalingConfig(num_workers=2),
+    )
     trainer.fit()
     losses = results.get(timeout=10)
     reference = _reference_losses(recipe, 2, 2)
@@ -85,8 +87,10 @@ def test_uniform_planners_on_two_gloo_workers(ray_cluster: None) -> None:
 
 def test_submit_tracks_run_in_mlflow(ray_cluster: None, workdir: Path) -> None:
     steps = 4
-    recipe = load_recipe(RECIPES / "tiny.yaml", [f"train.steps={steps}", "data.seq_len=32",
-                                                 f"tracking.uri=sqlite:///{workdir}/mlflow.db"])
+    recipe = load_recipe(
+        RECIPES / "tiny.yaml",
+        [f"train.steps={steps}", "data.seq_len=32", f"tracking.uri=sqlite:///{workdir}/mlflow.db"],
+    )
     summary = submit(recipe)
     client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
     run = client.get_run(summary.run_id)
@@ -95,17 +99,26 @@ def test_submit_tracks_run_in_mlflow(ray_cluster: None, workdir: Path) -> None:
     assert run.data.params["model.family"] == "llama"
     artifacts = {a.path for a in client.list_artifacts(summary.run_id)}
     assert {"plan.json", "recipe.yaml", "profile.json"} <= artifacts
-    plan_path = mlflow.artifacts.download_artifacts(run_id=summary.run_id, artifact_path="plan.json",
-                                                    dst_path=str(workdir), tracking_uri=client.tracking_uri)
+    plan_path = mlflow.artifacts.download_artifacts(
+        run_id=summary.run_id, artifact_path="plan.json", dst_path=str(workdir), tracking_uri=client.tracking_uri
+    )
     plan = Plan.from_file(plan_path)
     assert plan.planner == "osdp" and plan.world_size == 2
     logged = run.data.metrics
-    for key in ("predicted_peak_memory_bytes", "predicted_step_time_s", "predicted_throughput_samples_per_s",
-                "measured_peak_memory_bytes", "measured_step_time_s", "peak_memory_ratio", "step_time_ratio"):
+    for key in (
+        "predicted_peak_memory_bytes",
+        "predicted_step_time_s",
+        "predicted_throughput_samples_per_s",
+        "measured_peak_memory_bytes",
+        "measured_step_time_s",
+        "peak_memory_ratio",
+        "step_time_ratio",
+    ):
         assert key in logged, key
     assert logged["predicted_peak_memory_bytes"] == plan.predicted.peak_memory_bytes
     assert logged["peak_memory_ratio"] == pytest.approx(
-        logged["measured_peak_memory_bytes"] / logged["predicted_peak_memory_bytes"])
+        logged["measured_peak_memory_bytes"] / logged["predicted_peak_memory_bytes"]
+    )
     for key in ("loss", "step_time_s", "tokens_per_s"):
         history = client.get_metric_history(summary.run_id, key)
         assert [m.step for m in history] == list(range(steps)), key
@@ -119,7 +132,8 @@ def test_submit_tracks_run_in_mlflow(ray_cluster: None, workdir: Path) -> None:
 
 
 def test_a_plan_that_does_not_fit_reaches_the_user_from_the_planner_actor(
-        ray_cluster: None, workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ray_cluster: None, workdir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """DDP does not fit the default recipe's budget: the actor's error arrives whole, exit code 2, no run."""
     code = main(["submit", str(RECIPES / "tiny.yaml"), "planner.name=ddp", f"tracking.uri=sqlite:///{workdir}/m.db"])
     err = capsys.readouterr().err

@@ -191,9 +191,7 @@ def test_structure_contract(family: str) -> None:
     assert list(model.parameters(recurse=False)) == []
     for block in model.layers:
         assert list(block.parameters(recurse=False)) == []
-        with_params = {
-            name for name, child in block.named_children() if next(child.parameters(), None) is not None
-        }
+        with_params = {name for name, child in block.named_children() if next(child.parameters(), None) is not None}
         assert with_params == {"attn", "mlp"}
         assert hasattr(block.attn, "norm") and hasattr(block.mlp, "norm")
         x = torch.randn(1, 4, cfg.dim)

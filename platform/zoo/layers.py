@@ -40,9 +40,7 @@ class ZooConfig:
         if self.n_kv_heads is not None and self.n_kv_heads <= 0:
             raise ValueError(f"{self.family}/{self.size}: n_kv_heads must be positive")
         if self.dim % self.n_heads:
-            raise ValueError(
-                f"{self.family}/{self.size}: dim {self.dim} not divisible by {self.n_heads} heads"
-            )
+            raise ValueError(f"{self.family}/{self.size}: dim {self.dim} not divisible by {self.n_heads} heads")
         if self.n_heads % self.kv_heads:
             raise ValueError(
                 f"{self.family}/{self.size}: {self.n_heads} heads not divisible by {self.kv_heads} kv heads"
@@ -191,9 +189,7 @@ class Head(nn.Module):
 class ZooModel(nn.Module):
     """Decoder-only LM skeleton shared by every family: ``embed`` -> ``layers`` -> ``head``."""
 
-    def __init__(
-        self, config: ZooConfig, embed: Embed, blocks: list[Block], head: Head, *, tie_head: bool
-    ) -> None:
+    def __init__(self, config: ZooConfig, embed: Embed, blocks: list[Block], head: Head, *, tie_head: bool) -> None:
         super().__init__()
         self.config = config
         self.embed = embed

@@ -11,9 +11,7 @@ from .layers import Attention, Block, Embed, GatedMLP, Head, ZooConfig, ZooModel
 _preset = partial(ZooConfig, "llama")
 
 PRESETS: dict[str, ZooConfig] = {
-    "tiny": _preset(
-        "tiny", vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=172, max_seq_len=128
-    ),
+    "tiny": _preset("tiny", vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=172, max_seq_len=128),
     # Llama-3.2-1B shape (its context and rope base; untied head and no rope scaling, unlike the release).
     "1b": _preset(
         "1b",
@@ -27,9 +25,7 @@ PRESETS: dict[str, ZooConfig] = {
         rope_theta=500000.0,
     ),
     "7b": _preset("7b", vocab_size=32000, dim=4096, n_layers=32, n_heads=32, ffn_dim=11008, max_seq_len=4096),
-    "13b": _preset(
-        "13b", vocab_size=32000, dim=5120, n_layers=40, n_heads=40, ffn_dim=13824, max_seq_len=4096
-    ),
+    "13b": _preset("13b", vocab_size=32000, dim=5120, n_layers=40, n_heads=40, ffn_dim=13824, max_seq_len=4096),
     "70b": _preset(
         "70b",
         vocab_size=32000,
