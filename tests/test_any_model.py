@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from ray.train import ScalingConfig
 from ray.train.torch import TorchTrainer
 from ray.util.queue import Queue
+from reference import reference_run
 from structures import STRUCTURES
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -208,24 +208,8 @@ def _train_cases(config: dict[str, Any]) -> None:
 
 
 def _reference(structure: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The unsharded model and plain torch SGD on each step's whole global batch."""
     recipe = _recipe(structure)
-    t = recipe.train
-    torch.manual_seed(t.seed)
-    model = build_model(recipe.model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-    sampler = BatchSampler(load_tokens(recipe.data, t.seed), SEQ_LEN, t.seed)
-    losses = []
-    for step in range(STEPS):
-        x, y = sampler.global_batch(step, 0, MICRO_BATCH * WORLD)
-        out = model(x)
-        logits = out.logits if hasattr(out, "logits") else out
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return reference_run(lambda: build_model(recipe.model), recipe, MICRO_BATCH * WORLD, STEPS)
 
 
 def test_every_structure_and_planner_trains_like_one_process(ray_cluster: None) -> None:

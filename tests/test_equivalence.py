@@ -21,10 +21,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
 from ray.train import ScalingConfig
 from ray.train.torch import TorchTrainer
 from ray.util.queue import Queue
+from reference import reference_run
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
@@ -181,26 +181,8 @@ def _reload(
 
 
 def _reference(model_json: dict[str, Any], recipe: Recipe, world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One unsharded model, plain torch optimizer, fed each step's whole global batch."""
-    t = recipe.train
-    torch.manual_seed(t.seed)
-    model = build_model(ModelSection.model_validate(model_json))
-    optimizer: torch.optim.Optimizer
-    if t.optimizer == "sgd":
-        optimizer = torch.optim.SGD(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-    else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-    sampler = BatchSampler(load_tokens(recipe.data, t.seed), SEQ_LEN, t.seed)
-    losses = []
-    for step in range(STEPS):
-        x, y = sampler.global_batch(step, 0, MICRO_BATCH * world)
-        logits = model(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model = ModelSection.model_validate(model_json)
+    return reference_run(lambda: build_model(model), recipe, MICRO_BATCH * world, STEPS)
 
 
 def _max_param_diff(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
