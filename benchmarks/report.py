@@ -323,13 +323,14 @@ def write_report(result: dict[str, Any], md: Path, results_dir: Path, name: str)
 
 
 WHY = (
-    "Where DDP fits, OSDP can at best tie the best uniform plan: the rows above show whether it does. The "
-    "planner's time model charges compute and communication; on 2 shared CPU cores each FSDP2 unit also costs "
-    "Python work per step (hooks, collective launches) that the model does not charge, and the workers share "
-    "their cores with Ray's own processes and with other jobs on this machine. So plans the model calls equal "
-    "(e.g. HSDP over groups of 1 and DDP, or a mix of them with ZeRO-2) measure tens of percent apart, in either "
-    "direction from run to run, and the search breaks such ties by order, not by what the runtime executes "
-    "fastest (issue 9 item 1 addresses that). On 4 workers the workers time-share the 2 cores, so measured "
-    "times are far above predictions that assume a core per worker, and rankings there are least reliable. "
-    "Cells where OSDP measures below 0.97x are listed at the top, with the plan it chose."
+    "Where DDP fits, OSDP can at best tie the best uniform plan: the rows above show whether it does. On these "
+    "2 shared CPU cores the same plan measures tens of percent apart from repeat to repeat (see each row's min "
+    "and max): the workers share their cores with Ray's own processes, and each FSDP2 unit costs Python work per "
+    "step (hooks, collective launches) that the probes charge only on average. The planner therefore returns "
+    "the simplest plan for the runtime (DP, then HSDP over groups of one, ZeRO-2, ZeRO-3, HSDP; fewer FSDP2 "
+    "units) among those predicted within 10% of the fastest (`osdp.NEAR_TIE`); a cell where the plans it "
+    "chose between measure further apart than that, in the other direction, still shows OSDP below 0.97x. On 4 "
+    "workers the workers time-share the 2 cores, so measured times are far above predictions that assume a "
+    "core per worker, and rankings there are least reliable. Cells where OSDP measures below 0.97x are listed "
+    "at the top, with the plan it chose."
 )
