@@ -121,26 +121,30 @@ def space(ctx: Context, req: PlanRequest) -> dict[str, Any]:
 def search_bound(ctx: Context, choice: osdp.Choice) -> float:
     """The search's memory bound for the chosen options (what solve kept under the limit)."""
     units = list(choice.options)
-    cands = osdp.search_candidates(ctx, units, {u: [o] for u, o in choice.options.items()}, choice.batch, choice.accum)
+    cands = osdp.search_candidates(
+        ctx, units, {u: [o] for u, o in choice.options.items()}, choice.micro_batch_size, choice.grad_accum_steps
+    )
     return bound(cands, [0] * len(cands), quantum_for(ctx.memory_limit))
 
 
 def plan_summary(ctx: Context, req: PlanRequest, choice: osdp.Choice) -> dict[str, Any]:
     ev = choice.evaluation
     mix = Counter(
-        f"{o.strategy.value}/g{o.group}/split{o.split}{'/ckpt' if o.checkpoint else ''}"
+        f"{o.strategy.value}/g{o.shard_group_size}/split{o.split}{'/ckpt' if o.checkpoint else ''}"
         for o in choice.options.values()
     )
     uniform = {}
     for s in Strategy:
         found = osdp.best_uniform(ctx, req, s)
         uniform[s.value] = (
-            None if found is None else {"micro_batch": found.batch, "throughput": found.evaluation.throughput}
+            None
+            if found is None
+            else {"micro_batch": found.micro_batch_size, "throughput": found.evaluation.throughput}
         )
     best_uniform = max((u["throughput"] for u in uniform.values() if u), default=None)
     return {
-        "micro_batch": choice.batch,
-        "grad_accum": choice.accum,
+        "micro_batch": choice.micro_batch_size,
+        "grad_accum": choice.grad_accum_steps,
         "peak_gib": ev.peak_bytes / GIB,
         "bound_gib": search_bound(ctx, choice) / GIB,
         "limit_gib": ctx.memory_limit / GIB,

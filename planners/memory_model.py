@@ -153,8 +153,8 @@ class Footprint:
 class Settings:
     """What a footprint depends on beyond the unit and its option."""
 
-    batch: int
-    accum: int = 1
+    micro_batch_size: int
+    grad_accum_steps: int = 1
     compute_bytes: int = 4
     opt_states: int = ADAM_STATES
     gpu: bool = False
@@ -168,8 +168,8 @@ def footprint(profile: ModelProfile, layout: Layout, unit: str, opt: Option, s: 
     mods: list[ModuleProfile] = profile.by_unit[unit]
     v = variant_of(profile, unit, opt)
     acts = {m.key: m.variants[v] for m in mods}
-    b = s.batch
-    g = opt.group
+    b = s.micro_batch_size
+    g = opt.shard_group_size
     ratio = s.compute_bytes / 4
     full = float(profile.param_bytes[unit])
     linears = profile.linears.get(unit, [])
@@ -189,7 +189,7 @@ def footprint(profile: ModelProfile, layout: Layout, unit: str, opt: Option, s: 
     shard = full / g
     reduce = slot[ev.reduce]
     add(start, end, shard * (1 + s.opt_states))
-    add(start if s.accum > 1 else reduce, end, shard)
+    add(start if s.grad_accum_steps > 1 else reduce, end, shard)
     for m in mods:
         fw, bw = slot[ev.forward[m.key]], slot[ev.backward[m.key]]
         add(fw + 1, reduce if m.key == first else bw, acts[m.key].keep.at(b))
@@ -227,23 +227,23 @@ def root_bytes(profile: ModelProfile, unit: str, opt: Option, s: Settings) -> fl
     """What the root unit (parameters no other unit claims) holds: FSDP2 gathers it before the first
     forward and frees it after the last backward, so all of it, all step, with its gradients."""
     full = float(profile.param_bytes[unit])
-    shard = full / opt.group
+    shard = full / opt.shard_group_size
     return shard * (2 + s.opt_states) + full * s.compute_bytes / 4 * 2 + full
 
 
 def base_levels(profile: ModelProfile, layout: Layout, s: Settings) -> np.ndarray:
     """Bytes at each event that belong to no unit's option: the prefix, the backward's extra, the loss."""
     base = np.zeros(len(layout.events))
-    base[: layout.optimizer] = profile.prefix.at(s.batch)
+    base[: layout.optimizer] = profile.prefix.at(s.micro_batch_size)
     for m in profile.modules:
         ev = layout.units[m.unit]
-        extra = m.extra.at(s.batch)
+        extra = m.extra.at(s.micro_batch_size)
         base[ev.backward[m.key]] += extra
         if m.key == profile.by_unit[m.unit][-1].key:
             base[ev.backward_gather] += extra
         if m.key == profile.by_unit[m.unit][0].key:
             base[ev.reduce] += extra
-    base[layout.loss] += profile.loss.at(s.batch)
+    base[layout.loss] += profile.loss.at(s.micro_batch_size)
     if not s.gpu:
         base[layout.optimizer] += CPU_OPTIMIZER_TEMPS * profile.largest_param_bytes
     return base

@@ -170,7 +170,9 @@ def solve_exact(
             return None
         choice = _choice(program, found, len(units))
         chosen = {u: options[u][i] for u, i in zip(units, choice, strict=True)}
-        peak = simulate(ctx.profile, chosen, s.batch, ctx.compute_bytes, ctx.optimizer, s.accum, ctx.overlap).peak
+        peak = simulate(
+            ctx.profile, chosen, s.micro_batch_size, ctx.compute_bytes, ctx.optimizer, s.grad_accum_steps, ctx.overlap
+        ).peak
         if peak <= limit:
             total = sum(costs[j][i] for j, i in enumerate(choice))
             return Exact(choice, total)

@@ -109,6 +109,6 @@ def calibrate(
         modelled = sum(comm_seconds(profile, u.name, opt, topo, compute_bytes) for u in profile.units)
         added = overheads.step_added_s[name] - comm.step_fixed_s
         scale[name] = min(max(added / modelled, lo), hi) if modelled > 0 else 1.0
-        saved = params * optimizer_s_per_param * (1 - 1 / opt.group)
+        saved = params * optimizer_s_per_param * (1 - 1 / opt.shard_group_size)
         per_tensor[name] = max((overheads.optimizer_added_s[name] + saved) / tensors, 0.0)
     return dataclasses.replace(comm, scale=scale, optimizer_tensor_cost_s=per_tensor)

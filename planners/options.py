@@ -10,7 +10,7 @@ SPLITS = (1, 2, 4, 8)
 @dataclass(frozen=True)
 class Option:
     strategy: Strategy
-    group: int  # ranks a parameter is sharded over (1 for ddp)
+    shard_group_size: int  # ranks a parameter is sharded over (1 for ddp)
     split: int = 1
     checkpoint: bool = False
 
@@ -30,7 +30,7 @@ def runtime_preference(opt: Option) -> tuple[int, int, bool]:
     step), ZeRO-3, HSDP over larger groups (ZeRO-3 plus an all-reduce); fewer FSDP2 units (no split)
     and no recomputation before more."""
     order = {Strategy.DDP: 0, Strategy.ZERO2: 2, Strategy.ZERO3: 3}
-    rank = order.get(opt.strategy, 1 if opt.group == 1 else 4)
+    rank = order.get(opt.strategy, 1 if opt.shard_group_size == 1 else 4)
     return rank, opt.split, opt.checkpoint
 
 

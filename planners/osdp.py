@@ -37,8 +37,8 @@ NEAR_TIE = 0.10
 @dataclass(frozen=True)
 class Choice:
     options: dict[str, Option]
-    batch: int
-    accum: int
+    micro_batch_size: int
+    grad_accum_steps: int
     evaluation: Evaluation
 
 
@@ -261,7 +261,11 @@ def describe(options: dict[str, Option]) -> str:
     """A plan in a few words, for messages: strategies, splits, checkpointing."""
     kinds: dict[str, int] = {}
     for o in options.values():
-        name = f"HSDP({o.group})" if o.strategy is Strategy.HSDP else o.strategy.value.upper().replace("ZERO", "ZeRO-")
+        name = (
+            f"HSDP({o.shard_group_size})"
+            if o.strategy is Strategy.HSDP
+            else o.strategy.value.upper().replace("ZERO", "ZeRO-")
+        )
         kinds[name] = kinds.get(name, 0) + 1
     words = [", ".join(f"{n} x{k}" for n, k in kinds.items())]
     splits = sorted({o.split for o in options.values()} - {1})
@@ -281,7 +285,7 @@ def baselines(ctx: Context, req: PlanRequest) -> dict[str, Baseline]:
             ev = found.evaluation
             out[strategy.value] = Baseline(
                 fits=True,
-                micro_batch_size=found.batch,
+                micro_batch_size=found.micro_batch_size,
                 peak_memory_bytes=int(ev.peak_bytes),
                 step_time_s=ev.step_time_s,
                 throughput_samples_per_s=ev.throughput,
@@ -304,7 +308,7 @@ def infeasible(ctx: Context, req: PlanRequest) -> UserError:
         "planner.memory_limit_gb",
         round(req.memory_limit_bytes / GIB, 4),
         f"{what}: the smallest footprint the planner finds is {need / GIB:.4f} GiB per device "
-        f"({describe(low.options)}; micro batch {low.batch}), and {ctx.memory_limit / GIB:.4f} GiB of the "
+        f"({describe(low.options)}; micro batch {low.micro_batch_size}), and {ctx.memory_limit / GIB:.4f} GiB of the "
         f"budget is usable after the {req.margin.describe()} margin",
         fix,
     )
@@ -317,7 +321,7 @@ def to_plan(model: nn.Module, req: PlanRequest, ctx: Context, choice: Choice) ->
             name=u.name,
             modules=list(u.modules),
             strategy=choice.options[u.name].strategy,
-            shard_group_size=choice.options[u.name].group,
+            shard_group_size=choice.options[u.name].shard_group_size,
             split=choice.options[u.name].split,
             checkpoint=choice.options[u.name].checkpoint,
             param_count=u.param_count,
@@ -326,7 +330,7 @@ def to_plan(model: nn.Module, req: PlanRequest, ctx: Context, choice: Choice) ->
         )
         for u in ctx.profile.units
     ]
-    plan = make_plan(model, req, units, choice.batch, choice.accum)
+    plan = make_plan(model, req, units, choice.micro_batch_size, choice.grad_accum_steps)
     return plan.model_copy(
         update={
             "predicted": Predicted(

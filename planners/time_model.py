@@ -81,14 +81,14 @@ def fsdp_units(profile: ModelProfile, unit: str, opt: Option) -> list[int]:
 def measured_kind(opt: Option) -> str:
     """The probed strategy an option behaves like: HSDP over groups of one is DP, otherwise ZeRO-3-like."""
     if opt.strategy is Strategy.HSDP:
-        return "ddp" if opt.group == 1 else "zero3"
+        return "ddp" if opt.shard_group_size == 1 else "zero3"
     return opt.strategy.value
 
 
 def _measured_comm(comm: CommProfile, full: float, gathered: float, opt: Option, units: list[int], world: int) -> float:
     """Measured FSDP2 cost of each of its units and tensors, plus the bytes at the measured bandwidths,
     scaled to the model where it was calibrated (see model_probe)."""
-    g = opt.group
+    g = opt.shard_group_size
     kind = measured_kind(opt)
     t = sum(comm.unit_cost_s[kind] + comm.tensor_cost_s[kind] * n for n in units)
     if opt.strategy is Strategy.DDP:
@@ -111,7 +111,7 @@ def comm_seconds(profile: ModelProfile, unit: str, opt: Option, topo: Topology, 
     slices = sum(1 for n in units if n)  # collectives per pass (a unit left without tensors has none)
     if topo.measured is not None:
         return _measured_comm(topo.measured, full, gathered, opt, units, topo.world_size)
-    g = opt.group
+    g = opt.shard_group_size
     if opt.strategy is Strategy.DDP:
         return topo.ring(full, topo.world_size, slices, factor=2.0)
     gathers = 1 if opt.strategy is Strategy.ZERO2 else 2
@@ -147,7 +147,7 @@ def optimizer_seconds(
         per_param = measured.optimizer_s_per_param
     else:
         per_param = ADAMW_BYTES_PER_PARAM / topo.device.memory_bandwidth_bytes_per_s
-    t = sum(profile.param_bytes[u] / 4 / o.group * per_param for u, o in options.items())
+    t = sum(profile.param_bytes[u] / 4 / o.shard_group_size * per_param for u, o in options.items())
     if topo.measured is not None:
         cost = topo.measured.optimizer_tensor_cost_s
         t += sum(cost[measured_kind(o)] * sum(fsdp_units(profile, u, o)) for u, o in options.items())
