@@ -11,6 +11,9 @@ from pathlib import Path
 
 import requests
 
+from osdp_planners import PlanRequest
+from osdp_planners.hardware import GIB, get_preset
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
 CLI = str(Path(sys.executable).with_name("osdp-platform"))
@@ -77,3 +80,32 @@ class MlflowServer:
         except ProcessLookupError:
             return
         self.process.wait(timeout=60)
+
+
+def zoo_request(
+    family: str = "llama",
+    workers: int = 4,
+    *,
+    seq_len: int = 32,
+    limit: float = 8 * GIB,
+    micro_batch: int | None = None,
+    global_batch: int | None = None,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    search: str = "auto",
+) -> PlanRequest:
+    """An OSDP planning request for a tiny zoo model on one node of CPU workers (pure planner tests)."""
+    return PlanRequest(
+        planner="osdp",
+        model_label=f"{family}-tiny",
+        nodes=1,
+        workers_per_node=workers,
+        device=get_preset("cpu"),
+        memory_limit_bytes=int(limit),
+        seq_len=seq_len,
+        micro_batch_size=micro_batch,
+        global_batch_size=global_batch,
+        precision=precision,
+        optimizer=optimizer,
+        search=search,
+    )

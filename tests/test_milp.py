@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from osdp_planners import PlanRequest, build_context, osdp
+from helpers import zoo_request
+from osdp_planners import build_context, osdp
 from osdp_planners.evaluate import Context, evaluate, unit_seconds
-from osdp_planners.hardware import GIB, get_preset
+from osdp_planners.hardware import GIB
 from osdp_planners.milp import least_peak
 from osdp_planners.options import Option
 from osdp_planners.plan import Strategy
@@ -27,28 +28,13 @@ from osdp_platform.zoo import build_zoo_model
 BATCH = 8
 
 
-def request(family: str, workers: int, seq_len: int, search: str = "auto") -> PlanRequest:
-    return PlanRequest(
-        planner="osdp",
-        model_label=f"{family}-tiny",
-        nodes=1,
-        workers_per_node=workers,
-        device=get_preset("cpu"),
-        memory_limit_bytes=8 * GIB,
-        seq_len=seq_len,
-        micro_batch_size=BATCH,
-        global_batch_size=None,
-        search=search,
-    )
-
-
 @cache
 def context(family: str, n_layers: int, workers: int, seq_len: int) -> Context:
     def build(device: str) -> torch.nn.Module:
         with torch.device(device):
             return build_zoo_model(family, "tiny", n_layers=n_layers)
 
-    return build_context(build, request(family, workers, seq_len), None)
+    return build_context(build, zoo_request(family, workers, seq_len=seq_len, micro_batch=BATCH), None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +81,7 @@ class BruteForce:
 
 
 def sampled_options(ctx: Context, case: Case) -> dict[str, list[Option]]:
-    full = osdp.unit_option_lists(ctx, request(case.family, case.workers, case.seq_len))
+    full = osdp.unit_option_lists(ctx, zoo_request(case.family, case.workers, seq_len=case.seq_len, micro_batch=BATCH))
     rng = random.Random(case.seed)
     return {u: rng.sample(opts, min(case.per_unit, len(opts))) for u, opts in full.items()}
 
@@ -145,7 +131,7 @@ def test_exact_mode_gains_over_the_knapsack_on_the_tiny_recipe() -> None:
     """The tiny recipe's model (Llama tiny, 2 layers, 2 workers, seq 64, micro batch 8), every option,
     at 1.2x the least memory any plan needs: the knapsack's bound rejects what the simulation fits."""
     ctx = context("llama", 2, 2, 64)
-    req = request("llama", 2, 64)
+    req = zoo_request("llama", 2, seq_len=64, micro_batch=BATCH)
     options = osdp.unit_option_lists(ctx, req)
     least = osdp.smallest_footprint(ctx, req).evaluation.peak_bytes
     assert searched(ctx, "dp", options, 1.05 * least) is None  # only the exact search finds a plan here
@@ -164,7 +150,7 @@ def test_exact_mode_gains_over_the_knapsack_on_the_tiny_recipe() -> None:
 def test_ties_resolve_to_the_fastest_runtime(mode: str) -> None:
     """Where everything fits, the plan is uniform DP, not HSDP(1) or a mix the time model prices the same."""
     ctx = context("llama", 2, 2, 64)
-    req = request("llama", 2, 64, mode)
+    req = zoo_request("llama", 2, seq_len=64, micro_batch=BATCH, search=mode)
     units = [u.name for u in ctx.profile.units]
     for u in units:  # the tie is real: the time model charges DP and HSDP over groups of one the same
         assert unit_seconds(ctx, u, Option(Strategy.DDP, 1), BATCH, 1) == unit_seconds(

@@ -18,10 +18,11 @@ import numpy as np
 import pytest
 import torch
 
-from osdp_planners import PlanRequest, build_context, make_plan_for, osdp
+from helpers import zoo_request
+from osdp_planners import build_context, make_plan_for, osdp
 from osdp_planners.errors import UserError
 from osdp_planners.evaluate import Context
-from osdp_planners.hardware import GIB, get_preset
+from osdp_planners.hardware import GIB
 from osdp_planners.memory_model import simulate
 from osdp_planners.options import Option, unit_options
 from osdp_planners.plan import Strategy
@@ -175,30 +176,6 @@ def test_solve_matches_brute_force_with_an_explicit_quantum() -> None:
 # --- real candidates from a profiled zoo model --------------------------------------------------------------
 
 
-def request(
-    family: str = "llama",
-    workers: int = 4,
-    limit: float = 8 * GIB,
-    precision: str = "fp32",
-    optimizer: str = "adamw",
-    seq_len: int = 32,
-    global_batch: int | None = None,
-) -> PlanRequest:
-    return PlanRequest(
-        planner="osdp",
-        model_label=f"{family}-tiny",
-        nodes=1,
-        workers_per_node=workers,
-        device=get_preset("cpu"),
-        memory_limit_bytes=int(limit),
-        seq_len=seq_len,
-        micro_batch_size=None,
-        global_batch_size=global_batch,
-        precision=precision,
-        optimizer=optimizer,
-    )
-
-
 def builder(
     family: str, n_layers: int, vocab_size: int | None = None, dim: int | None = None
 ) -> Callable[[str], torch.nn.Module]:
@@ -222,7 +199,7 @@ def context(
     dim: int | None = None,
     seq_len: int = 32,
 ) -> Context:
-    req = request(family, workers, precision=precision, optimizer=optimizer, seq_len=seq_len)
+    req = zoo_request(family, workers, precision=precision, optimizer=optimizer, seq_len=seq_len)
     return build_context(builder(family, n_layers, vocab_size, dim), req, None)
 
 
@@ -354,7 +331,7 @@ def smallest_need(ctx: Context, workers: int) -> float:
 def test_smallest_footprint_is_no_larger_than_uniform_or_random_plans(family: str) -> None:
     ctx = context(family)
     options = unit_option_lists(ctx, 4)
-    low = osdp.smallest_footprint(ctx, request(family)).evaluation.peak_bytes
+    low = osdp.smallest_footprint(ctx, zoo_request(family)).evaluation.peak_bytes
     assert low <= smallest_need(ctx, 4)
     rng = random.Random(5)
     for _ in range(200):
@@ -376,11 +353,11 @@ def test_infeasible_limit_names_the_smallest_footprint_and_the_threshold_holds(
     family: str, vocab: int | None, dim: int | None
 ) -> None:
     ctx = context(family, vocab_size=vocab, dim=dim)
-    need = osdp.smallest_footprint(ctx, request(family)).evaluation.peak_bytes
+    need = osdp.smallest_footprint(ctx, zoo_request(family)).evaluation.peak_bytes
     assert need <= smallest_need(ctx, 4)  # never more than the plainest smallest plans need
     build = builder(family, 2, vocab, dim)
     with pytest.raises(UserError) as err:
-        make_plan_for(build, request(family, limit=math.floor(need) - 1))
+        make_plan_for(build, zoo_request(family, limit=math.floor(need) - 1))
     assert err.value.field == "planner.memory_limit_gb"
     named, rounding = gib_after(err.value.problem, "smallest footprint")
     assert abs(named - need / GIB) <= rounding * (1 + 1e-9), (named, need / GIB)
@@ -388,7 +365,7 @@ def test_infeasible_limit_names_the_smallest_footprint_and_the_threshold_holds(
     advised, _ = gib_after(err.value.fix, "at least")
     assert advised * GIB >= need, f"the fix asks for {advised} GiB, but the smallest footprint is {need / GIB} GiB"
     # at exactly the smallest footprint a plan exists (the simulated fallback), and it fits
-    plan = make_plan_for(build, request(family, limit=math.ceil(need))).plan
+    plan = make_plan_for(build, zoo_request(family, limit=math.ceil(need))).plan
     assert plan.predicted.peak_memory_bytes <= math.ceil(need)
 
 
@@ -398,9 +375,9 @@ def test_infeasible_limit_names_the_smallest_footprint_and_the_threshold_holds(
 )
 def test_planned_peak_fits_the_limit(family: str, factor: float, global_batch: int | None) -> None:
     ctx = context(family)
-    need = osdp.smallest_footprint(ctx, request(family)).evaluation.peak_bytes
+    need = osdp.smallest_footprint(ctx, zoo_request(family)).evaluation.peak_bytes
     limit = int(factor * need)
-    result = make_plan_for(builder(family, 2), request(family, limit=limit, global_batch=global_batch))
+    result = make_plan_for(builder(family, 2), zoo_request(family, limit=limit, global_batch=global_batch))
     plan = result.plan
     assert plan.predicted.peak_memory_bytes is not None
     assert plan.predicted.peak_memory_bytes <= limit
@@ -443,8 +420,8 @@ def test_a_harder_plan_must_be_predicted_clearly_faster() -> None:
 @pytest.mark.parametrize("factor", [1.3, 2.0, 40.0])
 def test_osdp_never_trails_a_fitting_uniform_plan_by_more_than_the_resolution(factor: float) -> None:
     ctx = context("llama")
-    need = osdp.smallest_footprint(ctx, request("llama")).evaluation.peak_bytes
-    plan = make_plan_for(builder("llama", 2), request("llama", limit=int(factor * need))).plan
+    need = osdp.smallest_footprint(ctx, zoo_request("llama")).evaluation.peak_bytes
+    plan = make_plan_for(builder("llama", 2), zoo_request("llama", limit=int(factor * need))).plan
     got = plan.predicted.throughput_samples_per_s
     assert got is not None
     for name, b in plan.baselines.items():
