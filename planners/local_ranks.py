@@ -103,10 +103,14 @@ def cache_file(kind: str, key: str) -> Path:
 
 
 def cached(path: Path, measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """The stored measurement, or a new one. Written to a temp file and renamed into place, so a
+    planner in another process (a sweep, a second submit) never reads half a file."""
     if path.is_file():
         stored: dict[str, Any] = json.loads(path.read_text())
         return stored
     result = measure()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result))
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as tmp:
+        tmp.write(json.dumps(result))
+    os.replace(tmp.name, path)
     return result
