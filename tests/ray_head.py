@@ -13,10 +13,12 @@ is off (RAY_AUTH_MODE=disabled) so that no shared ~/.ray/auth_token decides whet
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -153,6 +155,7 @@ class RayHead:
         for proc in left:
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.kill()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
 def _wait_for_dashboard(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
@@ -179,7 +182,9 @@ def start_head(
     timeout_s: float = 120,
 ) -> RayHead:
     """Start a head on 127.0.0.1 with its own ports and temp dir; with `node_types`, an autoscaling one."""
-    temp_dir = base / "ray"
+    # Ray's socket paths must stay under 107 bytes: a short folder of its own, not one under `base`
+    # (pytest-xdist's temp paths are long), removed by `stop`.
+    temp_dir = Path(tempfile.mkdtemp(prefix="rayhead-"))
     gcs, dashboard, client, agent_http, agent_grpc, metrics, runtime_env, node_manager, object_manager = _free_ports(9)
     gcs_address = f"{LOOPBACK}:{gcs}"
     env = client_env()
