@@ -32,4 +32,4 @@ docs: $(STAMP)
 
 test: $(STAMP)
 	@$(MAKE) --no-print-directory lint typecheck
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n 2 --dist loadfile

@@ -10,6 +10,12 @@ import ray
 from helpers import MlflowServer
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Heavy modules first: `make test` hands whole files to two xdist workers as they free up, and a
+    long file handed out last would leave the other worker idle at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[None]:
     """A real local Ray (no dashboard), 4 logical CPUs so 4 gloo workers fit on 2 cores."""

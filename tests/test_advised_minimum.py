@@ -26,6 +26,8 @@ from osdp_platform.recipe import Recipe
 from osdp_platform.recipe_loader import load_recipe
 from osdp_platform.step import build_optimizer, train_step
 
+pytestmark = pytest.mark.heavy
+
 FAMILIES = ("llama", "gpt2", "opt")
 GIB = 1024**3
 

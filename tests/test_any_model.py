@@ -39,6 +39,8 @@ from osdp_platform.planning import plan_request
 from osdp_platform.recipe import ModelSection, Recipe
 from osdp_platform.step import build_optimizer, train_step
 
+pytestmark = pytest.mark.heavy
+
 PLANNERS = ("osdp", "ddp", "zero2", "zero3", "hsdp")
 WORLD = 2
 STEPS = 4

@@ -37,6 +37,8 @@ from osdp_platform.planning import plan_request
 from osdp_platform.recipe import ModelSection, Recipe
 from osdp_platform.step import build_optimizer, train_step
 
+pytestmark = pytest.mark.heavy
+
 STEPS = 5
 MICRO_BATCH = 2
 SEQ_LEN = 16

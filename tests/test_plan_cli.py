@@ -4,8 +4,12 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from helpers import CLI, RECIPES
 from osdp_planners.plan import Plan, Strategy
+
+pytestmark = pytest.mark.heavy
 
 
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:

@@ -21,6 +21,8 @@ from helpers import CLI, RECIPES
 from osdp_platform.cli import main
 from ray_head import FAKE_HEAD_NODE_ID, RayHead, client_env, start_head
 
+pytestmark = pytest.mark.heavy
+
 IDLE_TIMEOUT_S = 15
 NODE_TYPES = {
     "pool_a": {"CPU": 2, "POOL_A": 2, "object_store_memory": 100_000_000},

@@ -25,6 +25,8 @@ from osdp_platform.recipe_loader import load_recipe
 from osdp_platform.submit import RunSummary, submit
 from osdp_platform.worker import train_loop
 
+pytestmark = pytest.mark.heavy
+
 REFERENCE_STEPS = 8
 FAULT_STEPS = 6
 FAULT_AT = 3

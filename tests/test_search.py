@@ -29,6 +29,8 @@ from osdp_planners.plan import Strategy
 from osdp_planners.search import BUCKETS, Candidate, bound, quantum_for, solve
 from osdp_platform.zoo import build_zoo_model
 
+pytestmark = pytest.mark.heavy
+
 Cands = list[list[Candidate]]
 REL = 1e-9  # float noise allowed when comparing times
 

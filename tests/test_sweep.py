@@ -11,6 +11,8 @@ from osdp_planners.errors import UserError
 from osdp_platform.cli import EXIT_USER_ERROR, main
 from osdp_platform.sweep import expand
 
+pytestmark = pytest.mark.heavy
+
 PLANNERS = ("osdp", "zero3", "zero2", "ddp", "hsdp")
 MIB = 1024**2
 

@@ -28,6 +28,8 @@ from osdp_platform.submit import submit
 from osdp_platform.tracking import PENDING_DIR, RunKind, RunTracker
 from osdp_platform.worker import train_loop
 
+pytestmark = pytest.mark.heavy
+
 STEPS = 12
 STEP_PAUSE_S = 0.7  # each step takes at least this long, so its stamp shows when it ran
 CHART_ARTIFACTS = {"plan_units.md", "memory.png", "strategies.png", "step_time.png"}

@@ -23,6 +23,8 @@ from osdp_platform.recipe_loader import load_recipe
 from osdp_platform.step import build_optimizer, train_step
 from osdp_platform.submit import submit
 
+pytestmark = pytest.mark.heavy
+
 PLANNERS = ("ddp", "zero2", "zero3", "hsdp")
 STEPS = 2
 
