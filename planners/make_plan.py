@@ -6,6 +6,7 @@ predictions are comparable; whatever fails inside reaches the caller as one User
 
 import os
 import traceback
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,26 @@ class PlanResult:
 
 
 Builder = Callable[[str], nn.Module]  # device name -> model constructed there
+PROFILES_KEPT = 8  # models whose profile a process keeps (each is a few hundred small records)
+_profiles: OrderedDict[tuple[str, str, int, int, torch.dtype], ModelProfile] = OrderedDict()
+
+
+def _profile(build: Builder, req: PlanRequest, structure: str, dtype: torch.dtype) -> ModelProfile:
+    """The model's fake-tensor profile, once per process for a model the request names in full.
+
+    Profiling runs the model 16 times under fake tensors (seconds for a small model); a driver that
+    plans one model under several planners or budgets (a sweep, the benchmarks, the tests) pays once.
+    The key is the model's whole configuration (`req.model_key`) and its parameter structure.
+    """
+    if req.model_key is None:
+        return profile_model(build, req.seq_len, req.token_range, dtype)
+    key = (req.model_key, structure, req.seq_len, req.token_range, dtype)
+    if key not in _profiles:
+        _profiles[key] = profile_model(build, req.seq_len, req.token_range, dtype)
+        while len(_profiles) > PROFILES_KEPT:
+            _profiles.popitem(last=False)
+    _profiles.move_to_end(key)
+    return _profiles[key]
 
 
 def build_context(build: Builder, req: PlanRequest, measure_on: str | None) -> Context:
@@ -46,14 +67,15 @@ def build_context(build: Builder, req: PlanRequest, measure_on: str | None) -> C
     """
     dtype = torch.bfloat16 if req.precision == "bf16-mixed" else torch.float32
     compute_bytes = 2 if req.precision == "bf16-mixed" else 4
-    profile: ModelProfile = profile_model(build, req.seq_len, req.token_range, dtype)
+    structure = structure_hash(build("meta"))
+    profile = _profile(build, req, structure, dtype)
     measured: MeasuredTimes | None = None
     comm: CommProfile | None = None
     if measure_on is not None:
         flops = {u.name: profile.forward_flops(u.name, 1) for u in profile.units}
         if measure_on == "cpu":
             ranks = min(req.world_size, req.workers_per_node)
-            key = f"{req.model_label}|{structure_hash(build('meta'))}|{dtype}"
+            key = f"{req.model_label}|{structure}|{dtype}"
             measured, overheads = measure_on_ranks(build, req.seq_len, req.token_range, flops, ranks, key)
             if req.world_size > 1:
                 comm = cached_comm(req.world_size)

@@ -24,6 +24,7 @@ class PlanRequest:
     token_range: int = 256  # token ids the data produces (bytes), used to drive profiling runs
     margin: MemoryMargin = field(default_factory=MemoryMargin)
     search: str = "auto"  # auto | dp | milp: how the osdp planner searches (osdp.search_batch)
+    model_key: str | None = None  # the model's whole configuration: set, its profile is reused in-process
 
     @property
     def usable_memory_bytes(self) -> float:

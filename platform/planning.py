@@ -25,6 +25,7 @@ def plan_request(recipe: Recipe) -> PlanRequest:
     return PlanRequest(
         planner=recipe.planner.name,
         model_label=recipe.model.label,
+        model_key=recipe.model.model_dump_json(),
         nodes=hw.nodes,
         workers_per_node=hw.workers_per_node,
         device=get_preset(hw.preset),
