@@ -51,16 +51,22 @@ class Jobs:
 
     def add(self, shape: str, plan: Plan, name: str) -> str:
         for key, known in self.plans.items():
-            if self.shape_of[key] == shape and _same_run(known, plan):
+            if self.shape_of[key] == shape and same_run(known, plan):
                 return key
         key = f"{shape}/{name}#{len(self.plans)}"
         self.plans[key], self.shape_of[key] = plan, shape
         return key
 
 
-def _same_run(a: Plan, b: Plan) -> bool:
-    """Same units and batch: the workers would run exactly the same thing."""
-    return (a.micro_batch_size, a.grad_accum_steps, a.units) == (b.micro_batch_size, b.grad_accum_steps, b.units)
+def same_run(a: Plan, b: Plan) -> bool:
+    """Same batch and, unit by unit, the same modules, strategy, group, split and checkpointing:
+    the workers would run exactly the same thing (whatever each planner predicted for it)."""
+
+    def executed(p: Plan) -> tuple[object, ...]:
+        units = [(u.name, u.modules, u.strategy, u.shard_group_size, u.split, u.checkpoint) for u in p.units]
+        return p.micro_batch_size, p.grad_accum_steps, units
+
+    return executed(a) == executed(b)
 
 
 def recipe_for(shape: str, world: int, planner: str, budget_gb: float, extra: list[str] | None = None) -> Recipe:

@@ -3,7 +3,8 @@
 Plans every cell in this process with the shipped planner (benchmarks/cells.py), then starts one
 TorchTrainer per world size whose loop runs every unique plan for a few steps, repeats interleaved
 (repeat r of every plan before repeat r+1 of any), timed as the worker loop times a step
-(`osdp_platform.worker.timed_step`, aggregated by `RunSummary.measured`). Adds the operator-splitting
+(`osdp_platform.worker.timed_step`) and aggregated as `submit` does (`RunSummary.measured`: the
+median of the second half of a run's steps). Adds the operator-splitting
 sweep, the paper's setups predicted with presets, the search-time benchmark's last result and the
 issue's `submit` check, and writes benchmarks/RESULTS.md, benchmarks/results/side_by_side.json and PNGs.
 Run: .venv/bin/python benchmarks/side_by_side.py [--quick]
@@ -27,7 +28,7 @@ from ray.util.queue import Queue
 from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cells import BUDGET_POINTS, SHAPES, Jobs, plan_cells, recipe_for, split_plans
+from cells import BUDGET_POINTS, SHAPES, Jobs, plan_cells, recipe_for, same_run, split_plans
 from report import write_report
 
 from osdp_planners.errors import UserError
@@ -44,6 +45,7 @@ from osdp_platform.submit import RunSummary, submit
 from osdp_platform.worker import memory_probe_steps, timed_step
 
 HERE = Path(__file__).resolve().parent
+SUBMIT_REPEATS = 4  # ddp/osdp pairs in the submit check, in alternating order (an even count balances it)
 ROOT = HERE.parent
 PAPER = {  # recipe, overrides, what the OSDP paper's research code published for the setup
     "GPT-2 48 layers / hidden 1536, 8 x RTX TITAN, 8 GB": ("gpt2.yaml", [], "1.22x over FSDP (published)"),
@@ -137,17 +139,22 @@ def paper_setups() -> list[dict[str, Any]]:
     return rows
 
 
-def submit_check(repeats: int, tmp: str) -> dict[str, list[float]]:
-    """The issue's check: tiny at 1 GiB, ddp vs osdp, interleaved, median step time per run."""
-    out: dict[str, list[float]] = {"ddp": [], "osdp": []}
-    for _ in range(repeats):
-        for name in out:
+def submit_check(repeats: int, tmp: str) -> dict[str, Any]:
+    """The issue's check: tiny at 1 GiB, ddp vs osdp, each run's measured step time; the order
+    alternates (ddp first, then osdp first), so a drift over the benchmark favours neither. Also
+    whether the two planners planned the same thing (then any gap is run-to-run noise)."""
+    times: dict[str, list[float]] = {"ddp": [], "osdp": []}
+    plans: dict[str, Plan] = {}
+    for r in range(repeats):
+        for name in sorted(times, reverse=r % 2 == 1):
             recipe = load_recipe(
                 ROOT / "recipes" / "tiny.yaml",
                 [f"planner.name={name}", "hardware.memory_per_device_gb=1", f"tracking.uri=sqlite:///{tmp}/bench-m.db"],
             )
-            out[name].append(submit(recipe, console=Console(quiet=True)).measured()["measured_step_time_s"])
-    return out
+            summary = submit(recipe, console=Console(quiet=True))
+            times[name].append(summary.measured()["measured_step_time_s"])
+            plans[name] = summary.plan
+    return {"step_time_s": times, "same_plan": same_run(plans["ddp"], plans["osdp"])}
 
 
 def main() -> None:
@@ -167,7 +174,7 @@ def main() -> None:
         out = args.report.parent.parent
         write_report(json.loads(args.report.read_text()), out / "RESULTS.md", out / "results", "side_by_side")
         return
-    steps = args.steps or (4 if args.quick else 6)
+    steps = args.steps or (8 if args.quick else 16)
     worlds = (2,) if args.quick else (2, 4)
     shapes = ["llama-tiny"] if args.quick else list(SHAPES)
     split_shape = shapes[-1]  # the wide model in the full run
@@ -206,7 +213,7 @@ def main() -> None:
         result["paper"] = [] if args.quick else paper_setups()
         if not args.quick:
             with tempfile.TemporaryDirectory() as tmp:
-                result["submit_check"] = submit_check(args.repeats, tmp)
+                result["submit_check"] = submit_check(SUBMIT_REPEATS, tmp)
     except UserError as exc:
         console.print(f"[red]{exc}")
         raise SystemExit(2) from None
