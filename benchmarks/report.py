@@ -105,7 +105,7 @@ def _cells_md(result: dict[str, Any], rows: list[dict[str, Any]], world: int) ->
         "",
         f"Command: `{result['command']}` ({result['steps']} steps per run, "
         f"timing from the second half of each run's steps, less memory probes; min / median / max over "
-        f"{result['repeats']} interleaved repeats).",
+        f"{result['repeats']} interleaved repeats, odd ones in reverse order).",
         "",
         "| shape | budget | planner | plan | samples/s min / med / max | vs best uniform | step ms pred | "
         "step ms meas (med) | err | peak MiB pred | peak MiB meas | err |",

@@ -2,7 +2,7 @@
 
 Plans every cell in this process with the shipped planner (benchmarks/cells.py), then starts one
 TorchTrainer per world size whose loop runs every unique plan for a few steps, repeats interleaved
-(repeat r of every plan before repeat r+1 of any), timed as the worker loop times a step
+(repeat r of every plan before repeat r+1 of any, odd repeats in reverse order), timed as the worker loop times a step
 (`osdp_platform.worker.timed_step`) and aggregated as `submit` does (`RunSummary.measured`: the
 median of the second half of a run's steps). Adds the operator-splitting
 sweep, the paper's setups predicted with presets, the search-time benchmark's last result and the
@@ -81,15 +81,18 @@ def _run_one(recipe: Recipe, plan: Plan, steps: int, rank: int, world: int) -> l
 
 
 def _run_plans(config: dict[str, Any]) -> None:
-    """Ray Train loop: every job, `repeats` rounds interleaved; rank 0 sends each run's per-step metrics."""
+    """Ray Train loop: every job, `repeats` rounds interleaved, every other round in reverse order (a
+    drift along a round, as the workers build model after model, then favours no job); rank 0 sends
+    each run's per-step metrics."""
     import ray.train
 
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     pin_to_core(ctx.get_local_rank(), ctx.get_local_world_size())
     recipes = {s: Recipe.model_validate(r) for s, r in config["recipes"].items()}
+    jobs = list(config["jobs"].items())
     for r in range(config["repeats"]):
-        for key, (shape, plan_json) in config["jobs"].items():
+        for key, (shape, plan_json) in jobs if r % 2 == 0 else reversed(jobs):
             record = _run_one(recipes[shape], Plan.model_validate_json(plan_json), config["steps"], rank, world)
             if rank == 0:
                 config["results"].put((r, key, record))
