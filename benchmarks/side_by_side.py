@@ -45,8 +45,8 @@ from osdp_platform.submit import RunSummary, submit
 from osdp_platform.worker import memory_probe_steps, timed_step
 
 HERE = Path(__file__).resolve().parent
-SUBMIT_REPEATS = 4  # ddp/osdp pairs in the submit check, in alternating order (an even count balances it)
 ROOT = HERE.parent
+SUBMIT_REPEATS = 4  # ddp/osdp pairs in the submit check, in alternating order (an even count balances it)
 PAPER = {  # recipe, overrides, what the OSDP paper's research code published for the setup
     "GPT-2 48 layers / hidden 1536, 8 x RTX TITAN, 8 GB": ("gpt2.yaml", [], "1.22x over FSDP (published)"),
     "OPT-30B width, 8 layers, 8 x RTX TITAN, 16 GB": ("opt.yaml", [], "2.78x over FSDP (published)"),

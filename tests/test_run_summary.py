@@ -41,7 +41,7 @@ def test_warm_up_and_probes_are_not_timed() -> None:
 
 
 def test_short_runs_still_have_a_step_time() -> None:
-    # 3 steps: the second half holds only the last (probed) step, so every unprobed step after the first
+    # 3 steps: the second half holds only the last (probed) step, and the first is the only unprobed one
     assert [s["step_time_s"] for s in summary([1.0, 0.5, 0.3]).steady_steps()] == [1.0]
     assert [s["step_time_s"] for s in summary([1.0, 0.2, 0.3, 0.25, 0.4]).steady_steps()] == [0.3, 0.25]
     assert summary([0.7]).measured()["measured_step_time_s"] == 0.7
