@@ -11,7 +11,7 @@ bound it per unit (evaluate.py) and solve it exactly (milp.py), and `simulate` a
 What a unit holds, as FSDP2 (torch 2.13) does it:
 - always: its sharded fp32 parameters and optimizer states (DP: the whole unit, a "sharded" copy
   of group size one), and from its reduce-scatter until the optimizer step its sharded gradients
-  (for the whole step when gradients accumulate over micro batches);
+  (a split Linear's from its own backward; for the whole step when gradients accumulate);
 - activations from the profile under its variant (split, checkpointed): what its modules keep from
   their forward until their backward, and their peaks during forward and backward (the unsharded
   gradients FSDP2 holds until the reduce-scatter included, see recorder.py);
@@ -21,7 +21,10 @@ What a unit holds, as FSDP2 (torch 2.13) does it:
   at a time under ZeRO-3/HSDP;
 - the all-gather output (only where the shard group is larger than one rank): kept in forward
   until the next unit's all-gather, freed at once in backward, and in backward issued by the unit
-  before it (prefetch) and pending during that unit's backward;
+  before it (prefetch) and pending during that unit's backward. Where that unit is split, FSDP2
+  issues it only at the unit's last slice, late in its backward; it is counted over the whole
+  backward all the same (an over-count: its bytes are the next unit's option, its start this
+  unit's, and counting it from the start keeps every level a sum of per-unit terms);
 - the reduce-scatter input (fp32, the reduce dtype), kept until the next unit's reduce-scatter;
 - on GPUs the optimizer's foreach temporaries (about one copy of the parameters it updates); on
   CPUs the per-tensor loop's (about two copies of the largest parameter), in the base.
@@ -200,10 +203,17 @@ def footprint(profile: ModelProfile, layout: Layout, unit: str, opt: Option, s: 
             # below), with its all-gather output and the one before it; in backward the next slice's
             # prefetched all-gather output. A checkpointed unit's recomputation gathers its slices and
             # FSDP2 keeps each until its own backward: then all of them are held.
-            recomputed = sum(lin.param_bytes for lin in linears if lin.within(m.path))
-            held = recomputed if v.checkpoint else piece
+            sliced = sum(lin.param_bytes for lin in linears if lin.within(m.path))
+            held = sliced if v.checkpoint else piece
             add(fw, fw, piece * ratio * (reshards + 2 * sharded))
             add(bw, bw, (held * reshards + piece * sharded) * ratio)
+            if s.grad_accum_steps == 1:
+                # each slice is reduce-scattered as its backward ends and FSDP2 keeps its fp32 shard:
+                # within the module's backward at most the peak between the profile's two readings
+                # (max of a + r/g <= max a + (max (a + r) - max a) / g), and all of them after it
+                unreduced = acts[m.key].bw_unreduced.at(b) - acts[m.key].bw_peak.at(b)
+                add(bw, bw, unreduced / ratio / g)
+                add(bw + 1, reduce - 1, sliced / g)
     add(reduce, reduce, acts[first].bw_post.at(b) + rest)  # its reduce-scatter input is fp32
     if reshards:
         add(slot[ev.gather], slot[ev.forward[last]], rest * ratio)

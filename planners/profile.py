@@ -130,6 +130,9 @@ class Activations:
     fw_peak: Peak
     bw_peak: Peak
     bw_post: Linear1
+    # the backward's peak had its split slices' gradients stayed whole after their reduce-scatter:
+    # FSDP2 keeps a 1/group shard of each, so the option's peak lies between the two (memory_model.py)
+    bw_unreduced: Peak
 
 
 @dataclass(frozen=True)
@@ -210,12 +213,19 @@ class _Run:
     flops: dict[str, float]
     outside_flops: float
     trace: list[float]
+    reduced: list[float]
     ops: list[str]
     end_of_forward: float
     loss: tuple[int, int]
 
     def stretch(self, span: tuple[int, int]) -> tuple[list[float], list[str]]:
         return self.trace[span[0] : span[1] + 1], self.ops[span[0] : span[1] + 1]
+
+    def stretch_unreduced(self, span: tuple[int, int]) -> tuple[list[float], list[str]]:
+        """The stretch as if the split slices' gradients reduced within it had stayed whole."""
+        values, ops = self.stretch(span)
+        start = self.reduced[span[0]]
+        return [v + r - start for v, r in zip(values, self.reduced[span[0] : span[1] + 1], strict=True)], ops
 
 
 def _grad_groups(model: nn.Module, units: list[Unit]) -> tuple[dict[nn.Module, list[nn.Parameter]], list[nn.Parameter]]:
@@ -249,7 +259,7 @@ def _run_once(
 
     def reduced(param: torch.Tensor) -> None:
         if param.grad is not None:
-            recorder.forget(param.grad)
+            recorder.reduce(param.grad)
         param.grad = None
 
     handles = [p.register_post_accumulate_grad_hook(reduced) for p in slices]
@@ -271,6 +281,7 @@ def _run_once(
         {k: r.flops for k, r in readings.items()},
         recorder.outside.flops,
         recorder.trace,
+        recorder.reduced_trace,
         recorder.ops,
         float(end_of_forward),
         recorder.regions["loss"],
@@ -403,8 +414,8 @@ def _activations(runs: list[_Run]) -> dict[str, Activations]:
     def fit(fn: Callable[[_Run, dict[str, float]], float]) -> Linear1:
         return _fit([fn(r, k) for r, k in zip(runs, kept, strict=True)])
 
-    def peak(p: str, phase: str) -> Peak:
-        first, second = (r.stretch(r.spans[p][phase]) for r in runs)
+    def peak(p: str, phase: str, unreduced: bool = False) -> Peak:
+        first, second = ((r.stretch_unreduced if unreduced else r.stretch)(r.spans[p][phase]) for r in runs)
         return Peak.of(first, second, _fit([r.levels[p][f"pre_{phase}"] for r in runs]))
 
     def activations(p: str) -> Activations:
@@ -413,6 +424,7 @@ def _activations(runs: list[_Run]) -> dict[str, Activations]:
             fw_peak=peak(p, "fw"),
             bw_peak=peak(p, "bw"),
             bw_post=fit(lambda r, _k: r.levels[p]["post_bw"] - r.levels[p]["pre_bw"]),
+            bw_unreduced=peak(p, "bw", unreduced=True),
         )
 
     return {p: activations(p) for p in runs[0].order}

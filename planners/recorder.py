@@ -83,6 +83,8 @@ class Recorder:
         self.outside = ModuleReadings()
         self.live = 0.0
         self.trace: list[float] = []
+        self.reduced = 0.0  # bytes of split slices' gradients reduce-scattered so far (see `reduce`)
+        self.reduced_trace: list[float] = []  # `reduced` after every op, beside `trace`
         self.ops: list[str] = []  # what ran at each trace index (runs are aligned by it)
         self._calls: dict[str, int] = {}
         self._forward: list[str] = []  # call keys whose forward is running, innermost last
@@ -117,9 +119,16 @@ class Recorder:
         """Count `t` as freed now (its storage may outlive it in fake mode's caches)."""
         self._free(id(t.untyped_storage()))
 
+    def reduce(self, t: torch.Tensor) -> None:
+        """Count a split slice's gradient `t` as reduce-scattered now: freed here, its bytes added to
+        `reduced`, since FSDP2 keeps a shard of it whose size depends on the option, not the profile."""
+        self.reduced += self._seen.get(id(t.untyped_storage()), 0)
+        self.forget(t)
+
     def mark(self, op: str = "") -> int:
         """Record the live bytes now (after `op`); returns its trace index."""
         self.trace.append(self.live)
+        self.reduced_trace.append(self.reduced)
         self.ops.append(op)
         return len(self.trace) - 1
 

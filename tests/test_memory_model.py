@@ -22,7 +22,10 @@ from osdp_platform.fake_rank import measure_fake_rank
 from osdp_platform.zoo import build_zoo_model
 
 WORLD, BATCH, SEQ = 4, 4, 64
-UNDER, OVER = 0.02, 0.06  # a plan predicted to fit must fit; over-prediction only wastes memory
+UNDER = 0.02  # a plan predicted to fit must fit
+# over-prediction only wastes memory; the most here is split2's, where the attention's backward
+# all-gather is counted over the split MLP's whole backward (memory_model.py), 5% on this small model
+OVER = 0.07
 
 # GQA and OPT shapes are drawn by tests/test_memory_property.py
 SHAPES: dict[str, Callable[[], nn.Module]] = {
@@ -73,6 +76,30 @@ def test_predicted_peak_matches_the_fake_rank(shape: str) -> None:
     # the measurement itself must tell the strategies apart, or the comparison proves nothing
     assert measured["zero3"] < measured["zero2"] < measured["ddp"]
     assert measured["checkpointed"] < measured["zero3"]
+
+
+def test_a_split_units_gradient_shards_count_from_each_slices_backward() -> None:
+    """Each slice of a split Linear is reduce-scattered as its own backward ends, so its gradient
+    shard is held during the rest of the unit's backward, where the peak of a split MLP lies when
+    the attention before it keeps its parameters (ZeRO-2: no backward all-gather to over-count).
+    Two ranks, so that the shards weigh: counted from the unit's reduce-scatter, this plan's
+    peak was under-predicted by 2.2%, more than the planner's margin on CPUs."""
+
+    def build() -> nn.Module:
+        return build_zoo_model("opt", "tiny")
+
+    with torch.device("meta"):
+        meta = build()
+    vocab = meta.config.vocab_size
+    req = PlanRequest("test", "test", 1, 2, get_preset("cpu"), 8 << 30, 32, 2, None)
+    plan = uniform_plan(meta, req, Strategy.ZERO2, 2, 1)
+    units = [
+        u.model_copy(update={"strategy": Strategy.ZERO3, "split": 4}) if "mlp" in u.name else u for u in plan.units
+    ]
+    plan = plan.model_copy(update={"units": units})
+    measured = measure_fake_rank(build, plan, vocab).peak_bytes
+    predicted = simulate(profile_model(lambda _device: build(), 32, vocab), {u.name: Option.of(u) for u in units}, 2)
+    assert measured * (1 - UNDER / 4) <= predicted.peak <= measured * (1 + OVER), (predicted.peak, measured)
 
 
 def test_a_truncated_profile_keeps_the_full_models_forward_order() -> None:
