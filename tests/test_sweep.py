@@ -13,7 +13,8 @@ from osdp_platform.sweep import expand
 
 pytestmark = pytest.mark.heavy
 
-PLANNERS = ("osdp", "zero3", "zero2", "ddp", "hsdp")
+# one cell that does not fit and two that train (each trains for real, the bulk of this test's time)
+PLANNERS = ("osdp", "zero3", "ddp")
 MIB = 1024**2
 
 
