@@ -418,13 +418,16 @@ def _activations(runs: list[_Run]) -> dict[str, Activations]:
         first, second = ((r.stretch_unreduced if unreduced else r.stretch)(r.spans[p][phase]) for r in runs)
         return Peak.of(first, second, _fit([r.levels[p][f"pre_{phase}"] for r in runs]))
 
+    split = any(r.reduced[-1] for r in runs)  # without split slices nothing is reduced early
+
     def activations(p: str) -> Activations:
+        bw = peak(p, "bw")
         return Activations(
             keep=fit(lambda _r, k: k[p]),
             fw_peak=peak(p, "fw"),
-            bw_peak=peak(p, "bw"),
+            bw_peak=bw,
             bw_post=fit(lambda r, _k: r.levels[p]["post_bw"] - r.levels[p]["pre_bw"]),
-            bw_unreduced=peak(p, "bw", unreduced=True),
+            bw_unreduced=peak(p, "bw", unreduced=True) if split else bw,
         )
 
     return {p: activations(p) for p in runs[0].order}
