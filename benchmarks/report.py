@@ -32,8 +32,8 @@ def _err(pred: float | None, meas: float) -> str:
 
 
 def paired_ratio(runs: list[float], best: list[float]) -> float:
-    """Median over repeats of this plan's throughput over the best uniform plan's in the same repeat:
-    the repeats are interleaved, so pairing them cancels the machine's drift between repeats."""
+    """Median over rounds of this plan's throughput over the best uniform plan's in the same round:
+    the rounds are interleaved, so pairing them cancels the machine's drift between rounds."""
     return statistics.median(a / b for a, b in zip(runs, best, strict=True))
 
 
@@ -59,7 +59,7 @@ def ranking_agreement(rows: list[dict[str, Any]]) -> tuple[int, int]:
 
 
 def cell_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per (cell, planner): medians over repeats and the ratio to the best fitting uniform plan."""
+    """One row per (cell, planner): medians over rounds and the ratio to the best fitting uniform plan."""
     rows = []
     for cell in result["cells"]:
         runs = result["runs"][str(cell["world"])]
@@ -103,9 +103,10 @@ def _cells_md(result: dict[str, Any], rows: list[dict[str, Any]], world: int) ->
     out = [
         f"### {world} gloo workers",
         "",
-        f"Command: `{result['command']}` ({result['steps']} steps per run, "
-        f"timing from the second half of each run's steps, less memory probes; min / median / max over "
-        f"{result['repeats']} interleaved repeats, odd ones in reverse order).",
+        f"Command: `{result['command']}` (every plan built once, {result['warmup_steps']} untimed warm-up "
+        f"steps with its memory probes, then {result['rounds']} interleaved rounds of one "
+        f"{result['turn_steps']}-step turn per plan, odd rounds in reverse order; a turn is timed by its "
+        "median step; min / median / max over the rounds).",
         "",
         "| shape | budget | planner | plan | samples/s min / med / max | vs best uniform | step ms pred | "
         "step ms meas (med) | err | peak MiB pred | peak MiB meas | err |",
@@ -205,7 +206,7 @@ def _split(result: dict[str, Any], results_dir: Path, name: str) -> list[str]:
         f"Command: `{result['command']}`. "
         f"Model `{result['split_shape']}`, 2 workers, ZeRO-3 with every "
         "splittable unit's Linears split k ways (a zero3 plan with `split` edited, predicted by the manual "
-        "planner); min / median / max over the interleaved repeats.",
+        "planner); min / median / max over the interleaved rounds.",
         "",
         "| k | step ms pred | step ms meas min / med / max | err | peak MiB pred | peak MiB meas | err |",
         "|" + "---|" * 7,
@@ -335,8 +336,8 @@ def write_report(result: dict[str, Any], md: Path, results_dir: Path, name: str)
         "",
         "Budgets per shape come from the planner's own predicted peaks for uniform DDP and ZeRO-3: 1.1x DDP's "
         "need (DDP fits), and 2/3 and 1/3 of the way from ZeRO-3's need to DDP's. `vs best uniform` is the "
-        "median over repeats of the plan's throughput over that of the fastest fitting uniform plan (by "
-        "median) in the same repeat. Plan: units per "
+        "median over rounds of the plan's throughput over that of the fastest fitting uniform plan (by "
+        "median) in the same round. Plan: units per "
         "strategy(shard group), xk = Linears split k ways.",
         "",
         *_verdict(rows),
@@ -364,14 +365,14 @@ def write_report(result: dict[str, Any], md: Path, results_dir: Path, name: str)
 
 
 WHY = (
-    "Where DDP fits, OSDP can at best tie the best uniform plan: the rows above show whether it does. On these "
-    "2 shared CPU cores the same plan measures tens of percent apart from repeat to repeat (see each row's min "
-    "and max): the workers share their cores with Ray's own processes, and each FSDP2 unit costs Python work per "
-    "step (hooks, collective launches) that the probes charge only on average. The planner therefore returns "
-    "the simplest plan for the runtime (DP, then HSDP over groups of one, ZeRO-2, ZeRO-3, HSDP; fewer FSDP2 "
-    "units) among those predicted within 10% of the fastest (`osdp.NEAR_TIE`); a cell where the plans it "
-    "chose between measure further apart than that, in the other direction, still shows OSDP below 0.97x. On 4 "
-    "workers the workers time-share the 2 cores, so measured times are far above predictions that assume a "
-    "core per worker, and rankings there are least reliable. Cells where OSDP measures below 0.97x are listed "
-    "at the top, with the plan it chose."
+    "Where DDP fits, OSDP can at best tie the best uniform plan: the rows above show whether it does. On "
+    "these 2 shared CPU cores the same plan measures tens of percent apart from one minute to the next "
+    "(see each row's min and max over rounds): the workers share their cores with Ray's own processes, "
+    "and each FSDP2 unit costs Python work per step (hooks, collective launches) that the probes charge "
+    "only on average. The planner therefore returns the simplest plan for the runtime (DP, then HSDP over"
+    " groups of one, ZeRO-2, ZeRO-3, HSDP; fewer FSDP2 units) among those predicted within 10% of the "
+    "fastest (`osdp.NEAR_TIE`); a cell where the plans it chose between measure further apart than that, "
+    "in the other direction, still shows OSDP below 0.97x. On 4 workers the workers time-share the 2 "
+    "cores, which makes those timings the noisiest. Cells where OSDP measures below 0.97x are listed at "
+    "the top, with the plan it chose."
 )

@@ -1,10 +1,10 @@
 """OSDP's plan beside every uniform plan that fits, measured on real Ray Train gloo workers.
 
 Plans every cell in this process with the shipped planner (benchmarks/cells.py), then starts one
-TorchTrainer per world size whose loop runs every unique plan for a few steps, repeats interleaved
-(repeat r of every plan before repeat r+1 of any, odd repeats in reverse order), timed as the worker loop times a step
-(`osdp_platform.worker.timed_step`) and aggregated as `submit` does (`RunSummary.measured`: the
-median of the second half of a run's steps). Adds the operator-splitting
+TorchTrainer per world size whose loop builds every unique plan of a shape once and steps them in
+interleaved rounds: in each round every plan takes a short turn (odd rounds in reverse order), each
+step timed as the worker loop times a step (`osdp_platform.worker.timed_step`), a turn measured by
+its median step. Adds the operator-splitting
 sweep, the paper's setups predicted with presets, the search-time benchmark's last result and the
 issue's `submit` check, and writes benchmarks/RESULTS.md, benchmarks/results/side_by_side.json and PNGs.
 Run: .venv/bin/python benchmarks/side_by_side.py [--quick]
@@ -13,10 +13,11 @@ Run: .venv/bin/python benchmarks/side_by_side.py [--quick]
 import argparse
 import gc
 import json
+import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from ray.train import ScalingConfig
 from ray.train.torch import TorchTrainer
 from ray.util.queue import Queue
 from rich.console import Console
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cells import BUDGET_POINTS, SHAPES, Jobs, plan_cells, recipe_for, same_run, split_plans
@@ -34,18 +36,20 @@ from report import write_report
 from osdp_planners.errors import UserError
 from osdp_planners.local_ranks import pin_to_core
 from osdp_planners.plan import Plan
-from osdp_platform.apply import apply_plan
+from osdp_platform.apply import Meshes, apply_plan
 from osdp_platform.data import BatchSampler, load_tokens
 from osdp_platform.models import build_model
 from osdp_platform.planning import plan_recipe
 from osdp_platform.recipe import Recipe
 from osdp_platform.recipe_loader import load_recipe
 from osdp_platform.step import build_optimizer, train_step
-from osdp_platform.submit import RunSummary, submit
+from osdp_platform.submit import submit
+from osdp_platform.tracking import Metric
 from osdp_platform.worker import memory_probe_steps, timed_step
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+WARMUP_STEPS = 3  # a plan's first turn, untimed: Adam's states appear at step 0; memory probed at steps 1 and 2
 SUBMIT_REPEATS = 4  # ddp/osdp pairs in the submit check, in alternating order (an even count balances it)
 PAPER = {  # recipe, overrides, what the OSDP paper's research code published for the setup
     "GPT-2 48 layers / hidden 1536, 8 x RTX TITAN, 8 GB": ("gpt2.yaml", [], "1.22x over FSDP (published)"),
@@ -55,68 +59,111 @@ PAPER = {  # recipe, overrides, what the OSDP paper's research code published fo
 }
 
 
-def _run_one(recipe: Recipe, plan: Plan, steps: int, rank: int, world: int) -> list[dict[str, float]]:
-    """One plan for `steps` steps on this rank, each step timed as the worker loop times it."""
-    device = torch.device("cpu")
+@dataclass
+class _Live:
+    """One plan built once on this rank (model, optimizer, batches), stepped turn by turn."""
+
+    plan: Plan
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    sampler: BatchSampler
+    done: int = 0  # steps taken so far
+
+
+def _build(recipe: Recipe, plan: Plan, meshes: Meshes | None) -> tuple[_Live, Meshes]:
     torch.manual_seed(recipe.train.seed)
     model = build_model(recipe.model, "cpu")
-    apply_plan(model, plan, "cpu")
-    optimizer = build_optimizer(model, recipe.train)
+    meshes = apply_plan(model, plan, "cpu", meshes)
     sampler = BatchSampler(load_tokens(recipe.data, recipe.train.seed), plan.seq_len, recipe.train.seed)
-    probes = memory_probe_steps(steps, "cpu")
+    return _Live(plan, model, build_optimizer(model, recipe.train), sampler), meshes
+
+
+def _turn(live: _Live, steps: int, probes: set[int], rank: int, world: int) -> list[dict[str, float]]:
+    """`steps` more steps of one plan, each timed as the worker loop times it; `probes` are turn-local
+    indices of the steps whose peak memory is measured."""
     record: list[dict[str, float]] = []
-    for step in range(steps):
-        batches = list(sampler.micro_batches(step, plan.grad_accum_steps, plan.micro_batch_size, rank, world))
+    plan = live.plan
+    for i in range(steps):
+        batches = list(live.sampler.micro_batches(live.done, plan.grad_accum_steps, plan.micro_batch_size, rank, world))
         losses: list[float] = []
 
         def one_step(batches: list = batches, losses: list[float] = losses) -> None:
-            losses.append(float(train_step(model, optimizer, batches, plan.grad_accum_steps)))
+            losses.append(float(train_step(live.model, live.optimizer, batches, plan.grad_accum_steps)))
 
-        times, peaks, peak = timed_step(model, optimizer, one_step, device, world, step in probes)
+        times, peaks, peak = timed_step(live.model, live.optimizer, one_step, torch.device("cpu"), world, i in probes)
         record.append(
             {"step_time_s": max(times), "loss": losses[0]}
             | ({"peak_memory_bytes": max(peaks)} if peak is not None else {})
         )
+        live.done += 1
     return record
 
 
 def _run_plans(config: dict[str, Any]) -> None:
-    """Ray Train loop: every job, `repeats` rounds interleaved, every other round in reverse order (a
-    drift along a round, as the workers build model after model, then favours no job); rank 0 sends
-    each run's per-step metrics."""
+    """Ray Train loop, shape by shape: build every plan of the shape once, warm each up (its memory
+    probed as the worker loop probes a run), then `rounds` rounds in which every plan takes a turn of
+    `turn_steps` steps, every other round in reverse order. Turns are short, so plans compared in a
+    round ran seconds apart: the machine's drift, which moved whole runs by tens of percent, falls
+    on both sides of a ratio. Rank 0 sends each turn's per-step metrics."""
     import ray.train
 
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     pin_to_core(ctx.get_local_rank(), ctx.get_local_world_size())
     recipes = {s: Recipe.model_validate(r) for s, r in config["recipes"].items()}
-    jobs = list(config["jobs"].items())
-    for r in range(config["repeats"]):
-        for key, (shape, plan_json) in jobs if r % 2 == 0 else reversed(jobs):
-            record = _run_one(recipes[shape], Plan.model_validate_json(plan_json), config["steps"], rank, world)
+    meshes = None
+    for shape in recipes:
+        keys = [k for k, (s, _) in config["jobs"].items() if s == shape]
+        live: dict[str, _Live] = {}
+        for key in keys:
+            live[key], meshes = _build(recipes[shape], Plan.model_validate_json(config["jobs"][key][1]), meshes)
+            record = _turn(live[key], WARMUP_STEPS, memory_probe_steps(WARMUP_STEPS, "cpu"), rank, world)
             if rank == 0:
-                config["results"].put((r, key, record))
-            gc.collect()
+                config["results"].put((-1, key, record))
+        for r in range(config["rounds"]):
+            for key in keys if r % 2 == 0 else reversed(keys):
+                record = _turn(live[key], config["turn_steps"], set(), rank, world)
+                if rank == 0:
+                    config["results"].put((r, key, record))
+        del live
+        gc.collect()
 
 
-def measure(world: int, jobs: Jobs, steps: int, repeats: int) -> dict[str, list[dict[str, float]]]:
-    """One TorchTrainer for all of this world size's jobs; each job's measured aggregates per repeat."""
-    recipes = {s: recipe_for(s, world, "ddp", 1).model_dump(mode="json") for s in set(jobs.shape_of.values())}
+def _turn_measured(plan: Plan, warmup: list[dict[str, float]], turn: list[dict[str, float]]) -> dict[str, float]:
+    """One turn's aggregates, named as `submit` names a run's: the median step time of the turn, the
+    peak of the warm-up's probes."""
+    step = statistics.median(s["step_time_s"] for s in turn)
+    return {
+        Metric.FIRST_LOSS: warmup[0]["loss"],
+        Metric.FINAL_LOSS: turn[-1]["loss"],
+        Metric.MEASURED_STEP_TIME: step,
+        Metric.MEASURED_THROUGHPUT: plan.global_batch_size / step,
+        Metric.MEASURED_PEAK_MEMORY: max(s["peak_memory_bytes"] for s in warmup if "peak_memory_bytes" in s),
+    }
+
+
+def measure(world: int, jobs: Jobs, rounds: int, turn_steps: int) -> dict[str, list[dict[str, float]]]:
+    """One TorchTrainer for all of this world size's jobs; each job's measured aggregates per round."""
+    recipes = {s: recipe_for(s, world, "ddp", 1).model_dump(mode="json") for s in dict.fromkeys(jobs.shape_of.values())}
     queue = Queue(actor_options={"num_cpus": 0})
     config = {
         "recipes": recipes,
-        "steps": steps,
-        "repeats": repeats,
+        "rounds": rounds,
+        "turn_steps": turn_steps,
         "results": queue,
         "jobs": {k: (jobs.shape_of[k], p.to_json()) for k, p in jobs.plans.items()},
     }
     TorchTrainer(_run_plans, train_loop_config=config, scaling_config=ScalingConfig(num_workers=world)).fit()
-    out: dict[str, list[dict[str, float]]] = {k: [] for k in jobs.plans}
-    for _ in range(repeats * len(jobs.plans)):
-        _r, key, record = queue.get(timeout=60)
-        out[key].append(RunSummary("", jobs.plans[key], record).measured())
+    warmup: dict[str, list[dict[str, float]]] = {}
+    turns: dict[str, list[list[dict[str, float]]]] = {k: [] for k in jobs.plans}
+    for _ in range((rounds + 1) * len(jobs.plans)):
+        r, key, record = queue.get(timeout=60)
+        if r < 0:
+            warmup[key] = record
+        else:
+            turns[key].append(record)
     ray.kill(queue.actor)
-    return out
+    return {k: [_turn_measured(jobs.plans[k], warmup[k], t) for t in turns[k]] for k in jobs.plans}
 
 
 def paper_setups() -> list[dict[str, Any]]:
@@ -162,9 +209,9 @@ def submit_check(repeats: int, tmp: str) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="smoke run: 2 workers, one shape, fewer steps")
-    parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="smoke run: 2 workers, one shape, fewer rounds")
+    parser.add_argument("--rounds", type=int, default=None, help="timed turns per plan (default 8, 3 with --quick)")
+    parser.add_argument("--turn-steps", type=int, default=4, help="steps per turn")
     parser.add_argument(
         "--out",
         type=Path,
@@ -177,7 +224,7 @@ def main() -> None:
         out = args.report.parent.parent
         write_report(json.loads(args.report.read_text()), out / "RESULTS.md", out / "results", "side_by_side")
         return
-    steps = args.steps or (8 if args.quick else 16)
+    rounds = args.rounds or (3 if args.quick else 8)
     worlds = (2,) if args.quick else (2, 4)
     shapes = ["llama-tiny"] if args.quick else list(SHAPES)
     split_shape = shapes[-1]  # the wide model in the full run
@@ -187,8 +234,9 @@ def main() -> None:
     result: dict[str, Any] = {
         "split_shape": split_shape,
         "command": command,
-        "steps": steps,
-        "repeats": args.repeats,
+        "rounds": rounds,
+        "turn_steps": args.turn_steps,
+        "warmup_steps": WARMUP_STEPS,
         "worlds": list(worlds),
         "runs": {},
     }
@@ -206,7 +254,7 @@ def main() -> None:
                 f"world {world}: {len(world_cells)} cells, {len(jobs.plans)} unique plans, planned in "
                 f"{time.perf_counter() - t0:.0f} s"
             )
-            runs = measure(world, jobs, steps, args.repeats)
+            runs = measure(world, jobs, rounds, args.turn_steps)
             result["runs"][str(world)] = {
                 k: {"plan": json.loads(jobs.plans[k].to_json()), "measured": v} for k, v in runs.items()
             }
