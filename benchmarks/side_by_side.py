@@ -4,9 +4,9 @@ Plans every cell in this process with the shipped planner (benchmarks/cells.py),
 TorchTrainer per world size whose loop builds every unique plan of a shape once and steps them in
 interleaved rounds: in each round every plan takes a short turn (odd rounds in reverse order), each
 step timed as the worker loop times a step (`osdp_platform.worker.timed_step`), a turn measured by
-its median step. Adds the operator-splitting
-sweep, the paper's setups predicted with presets, the search-time benchmark's last result and the
-issue's `submit` check, and writes benchmarks/RESULTS.md, benchmarks/results/side_by_side.json and PNGs.
+its median step. Adds the operator-splitting sweep, the paper's setups predicted with presets, the
+search-time benchmark's last result and the issue's `submit` check, and writes benchmarks/RESULTS.md,
+benchmarks/results/side_by_side.json and PNGs.
 Run: .venv/bin/python benchmarks/side_by_side.py [--quick]
 """
 
