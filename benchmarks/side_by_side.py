@@ -50,6 +50,7 @@ from osdp_platform.worker import memory_probe_steps, timed_step
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 WARMUP_STEPS = 3  # a plan's first turn, untimed: Adam's states appear at step 0; memory probed at steps 1 and 2
+WARMUP_ROUND = -1  # the round number the warm-up turn is sent under
 SUBMIT_REPEATS = 4  # ddp/osdp pairs in the submit check, in alternating order (an even count balances it)
 PAPER = {  # recipe, overrides, what the OSDP paper's research code published for the setup
     "GPT-2 48 layers / hidden 1536, 8 x RTX TITAN, 8 GB": ("gpt2.yaml", [], "1.22x over FSDP (published)"),
@@ -119,7 +120,7 @@ def _run_plans(config: dict[str, Any]) -> None:
             live[key], meshes = _build(recipes[shape], Plan.model_validate_json(config["jobs"][key][1]), meshes)
             record = _turn(live[key], WARMUP_STEPS, memory_probe_steps(WARMUP_STEPS, "cpu"), rank, world)
             if rank == 0:
-                config["results"].put((-1, key, record))
+                config["results"].put((WARMUP_ROUND, key, record))
         for r in range(config["rounds"]):
             for key in keys if r % 2 == 0 else reversed(keys):
                 record = _turn(live[key], config["turn_steps"], set(), rank, world)
@@ -158,7 +159,7 @@ def measure(world: int, jobs: Jobs, rounds: int, turn_steps: int) -> dict[str, l
     turns: dict[str, list[list[dict[str, float]]]] = {k: [] for k in jobs.plans}
     for _ in range((rounds + 1) * len(jobs.plans)):
         r, key, record = queue.get(timeout=60)
-        if r < 0:
+        if r == WARMUP_ROUND:
             warmup[key] = record
         else:
             turns[key].append(record)
