@@ -25,7 +25,8 @@ What a unit holds, as FSDP2 (torch 2.13) does it:
   issues it only at the unit's last slice, late in its backward; it is counted over the whole
   backward all the same (an over-count: its bytes are the next unit's option, its start this
   unit's, and counting it from the start keeps every level a sum of per-unit terms);
-- the reduce-scatter input (fp32, the reduce dtype), kept until the next unit's reduce-scatter;
+- the reduce-scatter input (fp32, the reduce dtype), kept until the next unit's reduce-scatter, and
+  its output beside it when gradients accumulate (added to the kept gradient, not taken as it);
 - on GPUs the optimizer's foreach temporaries (about one copy of the parameters it updates); on
   CPUs the per-tensor loop's (about two copies of the largest parameter), in the base.
 """
@@ -228,8 +229,11 @@ def footprint(profile: ModelProfile, layout: Layout, unit: str, opt: Option, s: 
         if reshards:
             add(slot[ev.backward_gather], slot[ev.backward_gather], rest * ratio)
     last_gather = (piece if split_modules else rest) * ratio if sharded else 0.0
+    # when gradients accumulate FSDP2 adds the reduce-scatter's output to the gradient kept so far, so
+    # the output stays a buffer of its own beside the input, instead of becoming the gradient
+    reduce_buffer = rest + (rest / g if s.grad_accum_steps > 1 else 0.0)
     return Footprint(
-        tuple(segs), last_gather, rest * ratio if reshards and sharded else 0.0, rest, shard if s.gpu else 0.0
+        tuple(segs), last_gather, rest * ratio if reshards and sharded else 0.0, reduce_buffer, shard if s.gpu else 0.0
     )
 
 

@@ -13,8 +13,9 @@ import torch.distributed as dist
 from torch import nn
 
 from osdp_planners.plan import Plan
-from osdp_planners.torch_private import FakeTensorMode, MemTracker, register_fake_backend
+from osdp_planners.torch_private import FakeTensorMode, register_fake_backend
 from osdp_platform.apply import Meshes, apply_plan
+from osdp_platform.memory import peak_snapshot, tracking
 from osdp_platform.step import train_step
 
 
@@ -45,14 +46,13 @@ def measure_fake_rank(
             opt_cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
             opt = opt_cls(model.parameters(), lr=1e-3)
             x = torch.randint(0, vocab_size, (plan.micro_batch_size, plan.seq_len))
+            micro_batches = [(x, x)] * plan.grad_accum_steps
             result = FakeRankMemory(0, {})
             for _ in range(iterations):
-                tracker = MemTracker()  # same totals as FSDPMemTracker, which rejects tied-module units
-                tracker.track_external(model, opt)
-                with tracker:
-                    train_step(model, opt, [(x, x)], 1)
-                snap = next(iter(tracker.get_tracker_snapshot("peak").values()))
-                result = FakeRankMemory(int(snap["Total"]), {k: int(v) for k, v in snap.items() if k != "Total"})
+                with tracking(model, opt) as tracker:  # a fresh tracker per step: its peak is a running maximum
+                    train_step(model, opt, micro_batches, plan.grad_accum_steps)
+                snap = peak_snapshot(tracker)
+                result = FakeRankMemory(snap.pop("Total"), snap)
             return result
     finally:
         dist.destroy_process_group()

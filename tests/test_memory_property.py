@@ -1,6 +1,7 @@
 """Property test: random plans over the whole option space against FSDP2 on a fake-process-group rank.
 
-Each case draws a model shape, a world size (2, 4 or 8), a micro batch (1-16) and, for every unit,
+Each case draws a model shape, a world size (2, 4 or 8), a micro batch (1-16), 1-3 micro batches per
+step (gradient accumulation) and, for every unit,
 a strategy, shard group, split factor (1-8) and checkpoint flag; the prediction (the planner's
 event simulation, from one fake-tensor profile per shape) is compared with rank 0 of the job
 running real FSDP2 code under torch's memory tracker. A plan predicted to fit must fit: no case may
@@ -55,7 +56,7 @@ def _profile(shape: str) -> ModelProfile:
     return profile_model(lambda _device: build(), SEQ, vocab)
 
 
-def _random_plan(rng: random.Random, shape: str, world: int, batch: int) -> Plan:
+def _random_plan(rng: random.Random, shape: str, world: int, batch: int, accum: int = 1) -> Plan:
     with torch.device("meta"):
         meta = SHAPES[shape]()
     choices = strategy_choices(world, world, 1)
@@ -74,7 +75,7 @@ def _random_plan(rng: random.Random, shape: str, world: int, batch: int) -> Plan
             )
         )
     req = PlanRequest("manual", shape, 1, world, get_preset("cpu"), 8 << 30, SEQ, batch, None)
-    return make_plan(meta, req, units, batch, 1)
+    return make_plan(meta, req, units, batch, accum)
 
 
 def _cases() -> list[tuple[str, int, int, int]]:
@@ -85,25 +86,32 @@ def _cases() -> list[tuple[str, int, int, int]]:
     ]
 
 
+def _accum(seed: int) -> int:
+    """Micro batches per step, from the case's seed (so the draws above stay those of earlier runs)."""
+    return 1 + seed % 3
+
+
 def test_random_plans_are_never_under_predicted() -> None:
     errors = []
     for shape, world, batch, seed in _cases():
-        plan = _random_plan(random.Random(seed), shape, world, batch)
+        accum = _accum(seed)
+        plan = _random_plan(random.Random(seed), shape, world, batch, accum)
         with torch.device("meta"):
             vocab = SHAPES[shape]().config.vocab_size
-        predicted = simulate(_profile(shape), {u.name: Option.of(u) for u in plan.units}, batch).peak
+        options = {u.name: Option.of(u) for u in plan.units}
+        predicted = simulate(_profile(shape), options, batch, accum=accum).peak
         measured = measure_fake_rank(SHAPES[shape], plan, vocab).peak_bytes
-        errors.append((predicted / measured - 1, shape, world, batch, plan))
+        errors.append((predicted / measured - 1, shape, world, batch, accum, plan))
     errors.sort(key=lambda e: e[0])
     worst_under, worst_over = errors[0], errors[-1]
 
-    def show(e: tuple[float, str, int, int, Plan]) -> str:
-        err, shape, world, batch, plan = e
+    def show(e: tuple[float, str, int, int, int, Plan]) -> str:
+        err, shape, world, batch, accum, plan = e
         units = ", ".join(
             f"{u.name}:{u.strategy.value}{u.shard_group_size}/s{u.split}{'/ckpt' if u.checkpoint else ''}"
             for u in plan.units
         )
-        return f"{err:+.2%} {shape} world {world} batch {batch}: {units}"
+        return f"{err:+.2%} {shape} world {world} batch {batch} x {accum}: {units}"
 
     print(
         f"\n{len(errors)} random plans: worst under-prediction {show(worst_under)}\n"
@@ -121,6 +129,6 @@ def test_the_cases_cover_the_option_space(shape: str) -> None:
     for s, world, batch, seed in _cases():
         plan = _random_plan(random.Random(seed), s, world, batch)
         seen |= {u.strategy for u in plan.units} | {("split", u.split) for u in plan.units}
-        seen |= {("ckpt", u.checkpoint) for u in plan.units} | {("world", world)}
-    assert len(seen) >= 4 + 4 + 2 + 3, seen
+        seen |= {("ckpt", u.checkpoint) for u in plan.units} | {("world", world), ("accum", _accum(seed))}
+    assert len(seen) >= 4 + 4 + 2 + 3 + 3, seen
     assert _profile(shape).units

@@ -22,11 +22,13 @@ from osdp_platform.recipe import Recipe
 from osdp_platform.recipe_loader import load_recipe
 from osdp_platform.step import build_optimizer, train_step
 from osdp_platform.submit import submit
+from osdp_platform.worker import timed_step
 
 pytestmark = pytest.mark.heavy
 
-PLANNERS = ("ddp", "zero2", "zero3", "hsdp")
+PLANNERS = ("ddp", "zero2", "zero3", "hsdp", "osdp")
 STEPS = 2
+ACCUM = 2  # two micro batches per step: the memory probe must follow the root module's forward twice
 
 
 def _losses_per_planner(config: dict[str, Any]) -> None:
@@ -36,24 +38,33 @@ def _losses_per_planner(config: dict[str, Any]) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     sampler = BatchSampler(load_tokens(recipe.data, 0), recipe.data.seq_len, 0)
-    out: dict[str, list[float]] = {}
+    out: dict[str, tuple[list[float], list[int]]] = {}
     for name, plan_json in config["plans"].items():
         plan = Plan.model_validate(plan_json)
         torch.manual_seed(recipe.train.seed)
         model = build_model(recipe.model)
         apply_plan(model, plan, "cpu")
         opt = build_optimizer(model, recipe.train)
-        losses = []
+        losses, peaks = [], []
         for step in range(STEPS):
-            mean = train_step(model, opt, sampler.micro_batches(step, 1, plan.micro_batch_size, rank, world), 1)
+            batches = sampler.micro_batches(step, plan.grad_accum_steps, plan.micro_batch_size, rank, world)
+            mean = torch.zeros(())
+
+            def one_step(
+                batches: Any = batches, plan: Plan = plan, model: Any = model, opt: Any = opt, mean: Any = mean
+            ) -> None:
+                mean.copy_(train_step(model, opt, batches, plan.grad_accum_steps))
+
+            _times, rank_peaks, _peak = timed_step(model, opt, one_step, torch.device("cpu"), world, probe=True)
             torch.distributed.all_reduce(mean)
             losses.append(float(mean) / world)
-        out[name] = losses
+            peaks.append(int(max(rank_peaks)))
+        out[name] = (losses, peaks)
     if rank == 0:
         config["results"].put(out)
 
 
-def _reference_losses(recipe: Recipe, micro_batch: int, world: int) -> list[float]:
+def _reference_losses(recipe: Recipe, micro_batch: int, world: int, accum: int) -> list[float]:
     """One process fed the whole global batch: what every sharded run must reproduce."""
     torch.manual_seed(recipe.train.seed)
     model = build_model(recipe.model)
@@ -61,29 +72,42 @@ def _reference_losses(recipe: Recipe, micro_batch: int, world: int) -> list[floa
     sampler = BatchSampler(load_tokens(recipe.data, 0), recipe.data.seq_len, 0)
     losses = []
     for step in range(STEPS):
-        losses.append(float(train_step(model, opt, [sampler.global_batch(step, 0, micro_batch * world)], 1)))
+        batches = [sampler.global_batch(step, m, micro_batch * world) for m in range(accum)]
+        losses.append(float(train_step(model, opt, batches, accum)))
     return losses
 
 
-def test_uniform_planners_on_two_gloo_workers(ray_cluster: None) -> None:
-    recipe = load_recipe(RECIPES / "tiny.yaml", ["train.micro_batch_size=2", "data.seq_len=32"])
+def test_every_planner_trains_with_gradient_accumulation_on_two_gloo_workers(ray_cluster: None) -> None:
+    """The shipped step and memory probe (worker.timed_step) with 2 micro batches per step, every planner:
+    losses equal one process fed the whole global batch, and the measured peak is the predicted one."""
+    recipe = load_recipe(
+        RECIPES / "tiny.yaml",
+        ["train.micro_batch_size=2", f"train.global_batch_size={2 * 2 * ACCUM}", "data.seq_len=32"],
+    )
     plans = {}
     for name in PLANNERS:
         plans[name] = plan_recipe(
             recipe.model_copy(update={"planner": recipe.planner.model_copy(update={"name": name})})
-        ).plan.model_dump(mode="json")
+        ).plan
+        assert plans[name].grad_accum_steps == ACCUM, name
     results = Queue(actor_options={"num_cpus": 0})
     trainer = TorchTrainer(
         _losses_per_planner,
-        train_loop_config={"recipe": recipe.model_dump(mode="json"), "plans": plans, "results": results},
+        train_loop_config={
+            "recipe": recipe.model_dump(mode="json"),
+            "plans": {n: p.model_dump(mode="json") for n, p in plans.items()},
+            "results": results,
+        },
         scaling_config=ScalingConfig(num_workers=2),
     )
     trainer.fit()
-    losses = results.get(timeout=10)
-    reference = _reference_losses(recipe, 2, 2)
+    measured = results.get(timeout=10)
+    reference = _reference_losses(recipe, 2, 2, ACCUM)
     for name in PLANNERS:
-        assert losses[name][0] == pytest.approx(reference[0], rel=1e-5), name
-        assert losses[name][1] == pytest.approx(reference[1], rel=1e-5), name
+        losses, peaks = measured[name]
+        assert losses == pytest.approx(reference, rel=1e-5), name
+        predicted = plans[name].predicted.peak_memory_bytes
+        assert predicted * 0.98 <= peaks[-1] <= predicted * 1.02, (name, peaks, predicted)
     assert reference[1] < reference[0]
 
 
@@ -140,6 +164,6 @@ def test_a_plan_that_does_not_fit_reaches_the_user_from_the_planner_actor(
     code = main(["submit", str(RECIPES / "tiny.yaml"), "planner.name=ddp", f"tracking.uri=sqlite:///{workdir}/m.db"])
     err = capsys.readouterr().err
     assert code == EXIT_USER_ERROR, err
-    assert "planner.memory_limit_gb" in err and "no ddp plan fits" in err and "fix:" in err
+    assert "hardware.memory_per_device_gb" in err and "no ddp plan fits" in err and "fix:" in err
     assert "Traceback" not in err and "UnserializableException" not in err
     assert not (workdir / "m.db").exists()
