@@ -29,6 +29,7 @@ from functools import cached_property
 import torch
 from torch import nn
 
+from osdp_planners.fake_build import build_fake
 from osdp_planners.loss import lm_loss, logits_of
 from osdp_planners.options import SPLITS
 from osdp_planners.recorder import Recorder
@@ -378,14 +379,14 @@ def _variant_runs(
     trace = CallTrace()
     for variant in variants:
         with _default_dtype(dtype):
-            model = build("cpu")
+            model = build_fake(lambda: build("cpu"))
         if full is None:
             full = model
             trace = trace_calls(model, seq_len, vocab)
             units = units_of(model, trace)
             unit_of = {m: u.name for u in units for m in u.modules if m}
             with _default_dtype(dtype):
-                model = build("cpu")
+                model = build_fake(lambda: build("cpu"))
         blocks = _truncate_repeats(model, trace, set(unit_of))
         live = {path for path, _ in model.named_modules()}
         present = [u for u in units if all(m in live for m in u.modules)]

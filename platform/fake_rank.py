@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from osdp_planners.fake_build import build_fake
 from osdp_planners.plan import Plan
 from osdp_planners.torch_private import FakeTensorMode, register_fake_backend
 from osdp_platform.apply import Meshes, apply_plan
@@ -41,7 +42,7 @@ def measure_fake_rank(
         for g in {u.shard_group_size for u in plan.units} | {plan.world_size}:
             meshes.for_group(g)  # meshes must exist before fake mode
         with FakeTensorMode():
-            model = build()
+            model = build_fake(build)
             apply_plan(model, plan, "cpu", meshes=meshes)
             opt_cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
             opt = opt_cls(model.parameters(), lr=1e-3)

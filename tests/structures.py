@@ -330,6 +330,21 @@ class OpaqueOutput(nn.Module):
         return self.head(x)
 
 
+class TorchEncoder(nn.Module):
+    """torch's own nn.TransformerEncoder, whose constructor deep-copies one layer into each of its layers."""
+
+    def __init__(self, dim: int = 36, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        layer = nn.TransformerEncoderLayer(dim, 3, 2 * dim + 2, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1], device=tokens.device)
+        return self.head(self.encoder(self.embed(tokens), mask=mask, is_causal=True))
+
+
 STRUCTURES = {
     "moduledict_gpt": ModuleDictGPT,
     "nested_sequential": NestedSequential,
@@ -340,6 +355,7 @@ STRUCTURES = {
     "hf_like": HFLike,
     "plain_linears": PlainLinears,
     "opaque_output": OpaqueOutput,
+    "torch_encoder": TorchEncoder,
 }
 
 

@@ -112,6 +112,16 @@ EXPECTED_UNITS = {
     ],
     "plain_linears": ["embed", "blocks.0.mix", "blocks.0.mlp", "blocks.1.mix", "blocks.1.mlp", "head"],
     "opaque_output": ["embed", "blocks.0.proj", "blocks.1.proj", "head", ROOT],  # each mlp returns a plain object
+    "torch_encoder": [
+        "embed",
+        "encoder.layers.0.self_attn",
+        "encoder.layers.0.linear1+norm1",
+        "encoder.layers.0.linear2+norm2",
+        "encoder.layers.1.self_attn",
+        "encoder.layers.1.linear1+norm1",
+        "encoder.layers.1.linear2+norm2",
+        "head",
+    ],  # built by copy.deepcopy of one layer; the norms run after attention and MLP (post-norm)
 }
 
 
