@@ -20,6 +20,19 @@ class UserError(Exception):
         return f"{self.field} = {self.value!r}: {self.problem}\n  fix: {self.fix}"
 
 
+class NoPlanFits(UserError):
+    """No plan of the planner fits the budget; `advised_gb` is the least budget one of its plans fits.
+
+    A type of its own, so that callers (a sweep, an elastic restart) ask what happened instead of
+    comparing field names.
+    """
+
+    def __init__(self, field: str, value: object, problem: str, fix: str, advised_gb: float) -> None:
+        super().__init__(field, value, problem, fix)
+        self.args = (field, value, problem, fix, advised_gb)
+        self.advised_gb = advised_gb
+
+
 class UserErrors(Exception):
     """Several user mistakes found at once (all of a recipe's validation errors)."""
 

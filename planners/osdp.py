@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from osdp_planners.errors import UserError
+from osdp_planners.errors import NoPlanFits
 from osdp_planners.evaluate import Bound, Context, Evaluation, evaluate, unit_seconds
 from osdp_planners.milp import TIME_LIMIT_S, least_peak, solve_exact
 from osdp_planners.options import SPLITS, Option, runtime_preference, unit_options
@@ -293,24 +293,35 @@ def baselines(ctx: Context, req: PlanRequest) -> dict[str, Baseline]:
     return out
 
 
-def infeasible(ctx: Context, req: PlanRequest) -> UserError:
-    low = smallest_footprint(ctx, req)
+def uniform_footprint(ctx: Context, req: PlanRequest, strategy: Strategy) -> Choice:
+    """The least memory a uniform plan of `strategy` needs: at the smallest batch, as best_uniform plans it."""
+    options = {u.name: Option(strategy, group_size(strategy, req)) for u in ctx.profile.units}
+    batch, accum = min(batch_candidates(req))
+    return Choice(options, batch, accum, evaluate(ctx, options, batch, accum))
+
+
+def infeasible(ctx: Context, req: PlanRequest) -> NoPlanFits:
+    """Why nothing fits, with the least budget that would fit a plan of this planner."""
+    uniform = req.planner not in ("osdp", "manual")
+    low = uniform_footprint(ctx, req, Strategy(req.planner)) if uniform else smallest_footprint(ctx, req)
     need = low.evaluation.peak_bytes
-    what = "no plan fits" if req.planner in ("osdp", "manual") else f"no {req.planner} plan fits at any batch size"
+    what = f"no {req.planner} plan fits at any batch size" if uniform else "no plan fits"
     advised = req.margin.budget_for(need) / GIB
     fix = (
-        f"raise the memory limit to at least {advised:.4f} GiB (the footprint plus the "
+        f"raise {req.budget_key} to at least {advised:.4f} GiB (the footprint plus the "
         f"{req.margin.describe()} margin), add devices, or shorten data.seq_len"
     )
-    if req.planner not in ("osdp", "manual") and need <= ctx.memory_limit:
-        fix = "use planner.name=osdp, which mixes strategies to fit, or raise the memory limit"
-    return UserError(
-        "planner.memory_limit_gb",
+    if uniform:
+        mixed = req.margin.budget_for(smallest_footprint(ctx, req).evaluation.peak_bytes) / GIB
+        fix += f"; or use planner.name=osdp, which mixes strategies and fits from {mixed:.4f} GiB"
+    return NoPlanFits(
+        req.budget_key,
         round(req.memory_limit_bytes / GIB, 4),
         f"{what}: the smallest footprint the planner finds is {need / GIB:.4f} GiB per device "
         f"({describe(low.options)}; micro batch {low.micro_batch_size}), and {ctx.memory_limit / GIB:.4f} GiB of the "
         f"budget is usable after the {req.margin.describe()} margin",
         fix,
+        advised,
     )
 
 

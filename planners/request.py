@@ -25,6 +25,7 @@ class PlanRequest:
     margin: MemoryMargin = field(default_factory=MemoryMargin)
     search: str = "auto"  # auto | dp | milp: how the osdp planner searches (osdp.search_batch)
     model_key: str | None = None  # the model's whole configuration: set, its profile is reused in-process
+    budget_key: str = "planner.memory_limit_gb"  # the recipe key the budget came from, for messages
 
     @property
     def usable_memory_bytes(self) -> float:

@@ -30,6 +30,7 @@ def plan_request(recipe: Recipe) -> PlanRequest:
         workers_per_node=hw.workers_per_node,
         device=get_preset(hw.preset),
         memory_limit_bytes=recipe.memory_limit_bytes,
+        budget_key=recipe.budget_key,
         margin=recipe.memory_margin,
         seq_len=recipe.data.seq_len,
         micro_batch_size=None if t.micro_batch_size == "auto" else t.micro_batch_size,

@@ -394,6 +394,15 @@ class Recipe(_Section):
         )
 
     @property
+    def budget_key(self) -> str:
+        """The key the memory budget comes from, as the user wrote it (messages name this one)."""
+        if self.planner.memory_limit_gb is not None:
+            return "planner.memory_limit_gb"
+        if self.hardware.memory_per_device_gb is not None:
+            return "hardware.memory_per_device_gb"
+        return "hardware.preset"
+
+    @property
     def memory_limit_bytes(self) -> int:
         if self.planner.memory_limit_gb is not None:
             return int(self.planner.memory_limit_gb * 1024**3)

@@ -15,7 +15,7 @@ from pathlib import Path
 from rich.console import Console
 
 from osdp_planners import PlanResult
-from osdp_planners.errors import UserError
+from osdp_planners.errors import NoPlanFits, UserError
 from osdp_platform.cluster import check_cluster, check_local_devices, connect
 from osdp_platform.compare import Format, Row, compare
 from osdp_platform.planning import plan_on_sample_worker
@@ -23,8 +23,6 @@ from osdp_platform.recipe import Recipe
 from osdp_platform.recipe_loader import load_recipe
 from osdp_platform.submit import ray_logs_hint, submit
 from osdp_platform.tracking import RunKind, RunTracker, Tag, check_reachable
-
-INFEASIBLE_FIELD = "planner.memory_limit_gb"  # the field the planner names when no plan fits
 
 
 def expand(overrides: list[str]) -> list[list[str]]:
@@ -53,7 +51,7 @@ class Cell:
     label: str  # the overrides that vary across the grid
     recipe: Recipe
     planned: PlanResult | None = None
-    problem: UserError | None = None  # why no plan fits
+    problem: NoPlanFits | None = None  # why no plan fits
 
 
 def _cells(recipe_path: str | Path, overrides: list[str]) -> list[Cell]:
@@ -97,9 +95,7 @@ def sweep(
         console.print(f"planning {i}/{len(cells)}: {cell.label}", markup=False)
         try:
             cell.planned = plan_on_sample_worker(cell.recipe)
-        except UserError as exc:
-            if exc.field != INFEASIBLE_FIELD:
-                raise
+        except NoPlanFits as exc:
             cell.problem = exc
             console.print(f"  does not fit: {exc.problem}", style="yellow", markup=False)
     for cell in cells:

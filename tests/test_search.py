@@ -11,7 +11,7 @@ import math
 import random
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 
 import numpy as np
@@ -20,7 +20,7 @@ import torch
 
 from helpers import zoo_request
 from osdp_planners import build_context, make_plan_for, osdp
-from osdp_planners.errors import UserError
+from osdp_planners.errors import NoPlanFits, UserError
 from osdp_planners.evaluate import Context
 from osdp_planners.hardware import GIB
 from osdp_planners.memory_model import simulate
@@ -430,3 +430,21 @@ def test_osdp_never_trails_a_fitting_uniform_plan_by_more_than_the_resolution(fa
         if b.fits:
             assert b.throughput_samples_per_s is not None
             assert got * (1 + osdp.NEAR_TIE) >= b.throughput_samples_per_s, (name, got, b.throughput_samples_per_s)
+
+
+@pytest.mark.parametrize("planner", ["ddp", "zero2", "zero3", "hsdp"])
+def test_a_uniform_planners_advised_minimum_plans_under_that_planner(planner: str) -> None:
+    """The advice names a budget the planner asked can use: its own strategy's footprint, not OSDP's
+    (the uniform planners advised OSDP's minimum, at which they failed again), and OSDP's beside it."""
+    build = builder("gpt2", 2)
+    req = replace(zoo_request("gpt2", limit=1 << 16), planner=planner)
+    with pytest.raises(NoPlanFits) as err:
+        make_plan_for(build, req)
+    advised = err.value.advised_gb
+    assert f"at least {advised:.4f} GiB" in err.value.fix
+    plan = make_plan_for(build, replace(req, memory_limit_bytes=math.ceil(advised * GIB))).plan
+    assert plan.planner == planner and {u.strategy.value for u in plan.units} == {planner}
+    assert plan.predicted.peak_memory_bytes <= advised * GIB
+    mixed, _ = gib_after(err.value.fix, "fits from")
+    assert mixed <= advised
+    assert make_plan_for(build, replace(req, planner="osdp", memory_limit_bytes=math.ceil(mixed * GIB))).plan
