@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from osdp_planners.errors import UserError
+
 TIMEOUT_S = 300
 
 
@@ -45,7 +47,18 @@ def run_ranks(target: str, world: int, args: list[str]) -> dict[str, Any]:
             )
             for rank in range(world)
         ]
-        codes = [p.wait(timeout=TIMEOUT_S) for p in procs]
+        try:
+            codes = [p.wait(timeout=TIMEOUT_S) for p in procs]
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise UserError(
+                "hardware.workers_per_node",
+                world,
+                f"the planner's probe of {world} concurrent ranks on this host ({os.cpu_count()} cores) did not "
+                f"finish in {TIMEOUT_S} s: the host is oversubscribed or a rank hung",
+                "run fewer workers per node (at most a few per core), or on a host with more cores",
+            ) from None
         # rank 0 writes OUT only after every rank's last collective: a peer that fails after that (gloo
         # has aborted a rank in teardown, exit -6, once in a CI run) measured all the same
         if codes[0] != 0 or not out.is_file():

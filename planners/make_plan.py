@@ -94,24 +94,39 @@ def build_context(build: Builder, req: PlanRequest, measure_on: str | None) -> C
     )
 
 
-def _manual(model: nn.Module, req: PlanRequest, ctx: Context) -> Choice:
-    if req.plan_file is None:
-        raise UserError("planner.plan_file", None, "the manual planner needs a plan file", "set planner.plan_file")
-    plan = Plan.from_file(req.plan_file)
+def read_plan_file(path: str, model: nn.Module, world_size: int) -> Plan:
+    """The plan in `path`, checked against the model (on meta) and the pool it is to run on."""
+    try:
+        plan = Plan.from_file(path)
+    except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+        first = str(exc).strip().splitlines()
+        raise UserError(
+            "planner.plan_file",
+            path,
+            f"is not a plan JSON ({type(exc).__name__}: {' '.join(first[:3])[:300]})",
+            "write it with `osdp-platform plan RECIPE --out plan.json` and edit that",
+        ) from None
     if plan.structure_hash != structure_hash(model):
         raise UserError(
             "planner.plan_file",
-            req.plan_file,
+            path,
             f"was made for another model (structure hash {plan.structure_hash}, this model {structure_hash(model)})",
             "re-plan for this model",
         )
-    if plan.world_size != req.world_size:
+    if plan.world_size != world_size:
         raise UserError(
             "planner.plan_file",
-            req.plan_file,
-            f"is for {plan.world_size} workers, the pool has {req.world_size}",
+            path,
+            f"is for {plan.world_size} workers, the pool has {world_size}",
             "match hardware.nodes x workers_per_node to the plan",
         )
+    return plan
+
+
+def _manual(model: nn.Module, req: PlanRequest, ctx: Context) -> Choice:
+    if req.plan_file is None:
+        raise UserError("planner.plan_file", None, "the manual planner needs a plan file", "set planner.plan_file")
+    plan = read_plan_file(req.plan_file, model, req.world_size)
     units = [u.name for u in ctx.profile.units]
     if sorted(u.name for u in plan.units) != sorted(units):
         raise UserError(

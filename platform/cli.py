@@ -9,15 +9,19 @@ import argparse
 import logging
 import os
 import sys
+import traceback
 import warnings
 from pathlib import Path
 
 from rich.console import Console
 
 from osdp_planners.errors import UserError, UserErrors
+from osdp_platform.faults import one_line, root_cause
 from osdp_platform.recipe_loader import load_recipe
 
+EXIT_FAULT = 1  # a fault at run time (a worker crashed, a node went away), not a mistake in the recipe
 EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130
 FORMATS = ("table", "json", "markdown")
 
 
@@ -45,7 +49,8 @@ def _parser() -> argparse.ArgumentParser:
         help="print every recipe key with its type, default and meaning (and, given a recipe, its value there)",
     )
     plan = sub.choices["plan"]
-    plan.add_argument("--out", help="write the plan JSON here (default: print it)")
+    plan.add_argument("--out", help="write the plan JSON here")
+    plan.add_argument("--json", action="store_true", help="print the plan JSON instead of the table")
     plan.add_argument(
         "--png", help="write the predicted memory timeline here (default: plan.png beside --out, or none)"
     )
@@ -128,18 +133,21 @@ def _ui(uri: str, host: str, port: int, console: Console) -> int:
 
 def _plan(args: argparse.Namespace, console: Console) -> int:
     from osdp_platform.planning import plan_recipe
+    from osdp_platform.preflight import Where, preflight
     from osdp_platform.report import log_report, print_report
     from osdp_platform.tracking import RunKind, RunTracker, check_reachable
 
     recipe = load_recipe(args.recipe, args.overrides)
+    preflight(recipe, Where.NOWHERE)
     if args.track:
         check_reachable(recipe.tracking.resolved_uri)
     result = plan_recipe(recipe)
+    if args.json:
+        console.print(result.plan.to_json(), markup=False)
+        return 0
     if args.out:
         Path(args.out).write_text(result.plan.to_json())
         console.print(f"plan written to {args.out}", markup=False)
-    else:
-        console.print(result.plan.to_json(), markup=False)
     png = args.png or (str(Path(args.out).with_suffix(".png")) if args.out else None)
     print_report(result, console, Path(png) if png else None)
     if args.track:
@@ -153,6 +161,7 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
 def _validate(args: argparse.Namespace, console: Console) -> int:
     from rich.markdown import Markdown
 
+    from osdp_platform.preflight import Where, preflight
     from osdp_platform.recipe_docs import render_markdown
     from osdp_platform.recipe_loader import recipe_to_yaml
 
@@ -162,6 +171,7 @@ def _validate(args: argparse.Namespace, console: Console) -> int:
         console.print(Markdown(render_markdown()))
         return 0
     recipe = load_recipe(args.recipe, args.overrides)
+    preflight(recipe, Where.NOWHERE)
     if args.explain:
         console.print(Markdown(render_markdown(recipe.model_dump(mode="json"))))
     else:
@@ -185,12 +195,15 @@ def _prepare(args: argparse.Namespace, console: Console) -> int:
 
 def _as_job(args: argparse.Namespace, console: Console) -> int:
     """submit / sweep with a Jobs API address: the same command runs on the cluster as the job's driver."""
+    from osdp_platform.preflight import Where, preflight
     from osdp_platform.remote import submit_job
 
     if args.command == "sweep":
         name, options = Path(args.recipe).stem, ["--format", args.format]
     else:
-        name, options = load_recipe(args.recipe, args.overrides).name, ["--resume", args.resume] if args.resume else []
+        recipe = load_recipe(args.recipe, args.overrides)
+        preflight(recipe, Where.CLUSTER)
+        name, options = recipe.name, ["--resume", args.resume] if args.resume else []
     verbose = ["--verbose"] if args.verbose else []
     return submit_job(name, args.command, args.recipe, [*args.overrides, *options, *verbose], args.address, console)
 
@@ -245,16 +258,43 @@ def _quiet() -> None:
     logging.getLogger("urllib3").setLevel(logging.ERROR)  # retries of a server that went away: we warn once
 
 
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """Arguments, with key=value overrides taken wherever they stand (`submit R --resume ID train.steps=5`);
+    argparse alone reads positionals only before the first option."""
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    stray = [a for a in extra if a.startswith("-") or "=" not in a or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
     if not args.verbose:
         _quiet()
     console = Console(stderr=False, soft_wrap=False, width=max(Console().width, 110))
+    errors = Console(stderr=True)
     try:
         return _run(args, console)
     except (UserError, UserErrors) as exc:
-        Console(stderr=True).print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        errors.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
         return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        errors.print("interrupted", markup=False)
+        return EXIT_INTERRUPTED
+    except Exception as exc:
+        cause = root_cause(exc)
+        if isinstance(cause, (UserError, UserErrors)):
+            errors.print(f"error: {cause}", markup=False, highlight=False, soft_wrap=True)
+            return EXIT_USER_ERROR
+        if args.verbose:
+            traceback.print_exception(exc)
+        hint = "" if args.verbose else "; --verbose shows the traceback, Ray's logs are in /tmp/ray/session_latest/logs"
+        errors.print(f"error: {one_line(cause)}\n  ({args.command} failed{hint})", markup=False, highlight=False)
+        return EXIT_FAULT
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ import logging
 import os
 
 import ray
-import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from osdp_planners.errors import UserError
@@ -25,22 +24,6 @@ def beside_the_driver() -> NodeAffinitySchedulingStrategy:
     """Where the driver's helper actors go: a 0-CPU actor on a worker node holds no resource, so an
     autoscaler sees that node as idle and removes it, actor and all."""
     return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-
-
-def check_local_devices(recipe: Recipe, address: str | None) -> None:
-    """Fail before Ray starts when a local run asks for GPUs this machine does not have."""
-    hw = recipe.hardware
-    if address or hw.accelerator != "gpu" or hw.autoscaling:
-        return
-    present = torch.cuda.device_count()
-    if present < hw.world_size:
-        raise UserError(
-            "hardware.accelerator",
-            "gpu",
-            f"the pool needs {hw.world_size} GPUs ({hw.nodes} node(s) x {hw.workers_per_node}) but this machine "
-            f"has {present}",
-            "set hardware.accelerator=cpu hardware.preset=cpu, or submit to a GPU cluster with --address",
-        )
 
 
 def connect(recipe: Recipe, address: str | None, verbose: bool = True) -> None:

@@ -26,6 +26,8 @@ CORPUS_PATH = Path(__file__).parent / "data" / "corpus.txt"
 SYNTHETIC_LENGTH = 1 << 16
 MANIFEST = "tokens.json"  # what `prepare` writes beside the token files
 MANIFEST_FORMAT = 1
+TEXT_SNIFF_BYTES = 1 << 16
+SCAN_CHUNK = 1 << 24  # token ids checked per read: 64 MiB of uint32 at a time
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,14 @@ class TokenFiles:
         fix = "point data.path at a folder written by `osdp-platform prepare`, or prepare it again"
         if not path.is_file():
             raise UserError("data.path", str(folder), f"has no {MANIFEST}", fix)
-        meta = json.loads(path.read_text())
+        try:
+            meta = json.loads(path.read_text())
+            names = [str(f["name"]) for f in meta["files"]]
+            dtype, vocab, tokenizer = str(meta["dtype"]), int(meta["vocab_size"]), str(meta["tokenizer"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise UserError(
+                "data.path", str(path), f"is not a token-file manifest ({type(exc).__name__}: {exc})", fix
+            ) from None
         if meta.get("format") != MANIFEST_FORMAT:
             raise UserError(
                 "data.path",
@@ -52,14 +61,46 @@ class TokenFiles:
                 f"{MANIFEST} has format {meta.get('format')!r}, this platform reads {MANIFEST_FORMAT}",
                 fix,
             )
-        missing = [f["name"] for f in meta["files"] if not (Path(folder) / f["name"]).is_file()]
+        if dtype not in ("uint16", "uint32"):
+            raise UserError("data.path", str(path), f"names dtype {dtype!r}, not uint16 or uint32", fix)
+        missing = [n for n in names if not (Path(folder) / n).is_file()]
         if missing:
             raise UserError(
                 "data.path", str(folder), f"token files listed in {MANIFEST} are missing: {missing[:3]}", fix
             )
-        return cls(
-            Path(folder), [f["name"] for f in meta["files"]], meta["dtype"], int(meta["vocab_size"]), meta["tokenizer"]
-        )
+        return cls(Path(folder), names, dtype, vocab, tokenizer)
+
+    def check(self, seq_len: int) -> None:
+        """Every file whole (a multiple of the dtype, not empty), its ids below the vocabulary (a memmap
+        scan in chunks), and one file long enough for a sample: what a worker would otherwise find
+        deep in a run (a reshape error, an IndexError in the embedding)."""
+        size = np.dtype(self.dtype).itemsize
+        fix = "prepare the folder again with `osdp-platform prepare`"
+        longest = 0
+        for name in self.files:
+            path = self.folder / name
+            nbytes = path.stat().st_size
+            if nbytes == 0 or nbytes % size:
+                what = "is empty" if nbytes == 0 else f"has {nbytes} bytes, not a multiple of {self.dtype}'s {size}"
+                raise UserError("data.path", str(path), f"{what} (a truncated or foreign file)", fix)
+            ids = np.memmap(path, dtype=self.dtype, mode="r")
+            for start in range(0, len(ids), SCAN_CHUNK):
+                top = int(ids[start : start + SCAN_CHUNK].max())
+                if top >= self.vocab_size:
+                    raise UserError(
+                        "data.path",
+                        str(path),
+                        f"holds token id {top}, beyond the vocabulary of {self.vocab_size} its {MANIFEST} names",
+                        fix,
+                    )
+            longest = max(longest, len(ids))
+        if longest < seq_len + 2:
+            raise UserError(
+                "data.seq_len",
+                seq_len,
+                f"the longest token file in {self.folder} has {longest} tokens, fewer than seq_len + 2",
+                "lower data.seq_len or prepare longer texts",
+            )
 
     @classmethod
     def prepare(cls, texts: Sequence[Path], tokenizer_name: str, out: Path) -> "TokenFiles":
@@ -70,8 +111,7 @@ class TokenFiles:
         """
         tokenizer = load_tokenizer(tokenizer_name)
         for text in texts:
-            if not text.is_file():
-                raise UserError("prepare", str(text), "is not a file", "pass existing text files")
+            check_text(text, "files")
         if (out / MANIFEST).exists():
             raise UserError(
                 "--out",
@@ -99,6 +139,25 @@ class TokenFiles:
 
     def arrays(self) -> list[np.ndarray]:
         return [np.memmap(self.folder / name, dtype=self.dtype, mode="r") for name in self.files]
+
+
+def check_text(path: Path, field: str) -> None:
+    """A text to tokenize must be a non-empty text file: a binary (a NUL byte, or bytes that are not
+    UTF-8 in its first 64 KiB) would train on noise without a word."""
+    if not path.is_file():
+        what = "is a folder, not a text file" if path.is_dir() else "does not exist"
+        raise UserError(field, str(path), what, "name an existing text file")
+    with path.open("rb") as f:
+        head = f.read(TEXT_SNIFF_BYTES)
+    if not head:
+        raise UserError(field, str(path), "is empty", "name a file with text in it")
+    try:
+        head.decode("utf-8")
+        binary = b"\x00" in head
+    except UnicodeDecodeError as exc:
+        binary = exc.start < len(head) - 3  # a character cut at the sniff's end is not binary
+    if binary:
+        raise UserError(field, str(path), "is not a text file (binary content)", "name a UTF-8 text file")
 
 
 def token_dtype(vocab_size: int) -> str:

@@ -23,7 +23,7 @@ from osdp_planners.torch_private import detect_fake_mode
 from osdp_platform.apply import Meshes, apply_plan
 from osdp_platform.meta_init import init_protocol, initialize, scatter_into
 from osdp_platform.recipe import ModelSection
-from osdp_platform.zoo import zoo_module
+from osdp_platform.zoo import zoo_module, zoo_sizes
 
 
 def _import_factory(target: str) -> Callable[..., Any]:
@@ -86,7 +86,7 @@ def _hf_model(section: ModelSection) -> nn.Module:
         raise UserError(
             "model.hf_config",
             section.hf_config,
-            f"is not a usable transformers config ({exc})",
+            f"is not a usable transformers config ({' '.join(str(exc).split())[:200]})",
             "give model_type (e.g. llama, gpt2) and that model's config fields, or the path of a local config.json",
         ) from None
     config.use_cache = False  # training never reads a KV cache; without this every forward returns one
@@ -95,15 +95,20 @@ def _hf_model(section: ModelSection) -> nn.Module:
 
 def _construct(section: ModelSection) -> nn.Module:
     if section.family is not None:
-        try:
-            return zoo_module(str(section.family), str(section.size), **section.kwargs)
-        except ValueError as exc:
+        sizes = zoo_sizes()
+        if section.family not in sizes:
+            raise UserError("model.family", section.family, "is not a zoo family", f"use one of {', '.join(sizes)}")
+        if section.size not in sizes[section.family]:
             raise UserError(
-                "model",
-                section.model_dump(exclude_none=True),
-                str(exc),
-                "pick a family, size and options from the lists above",
-            ) from None
+                "model.size",
+                section.size,
+                f"is not a size of the {section.family} family",
+                f"use one of {', '.join(sizes[section.family])}",
+            )
+        try:
+            return zoo_module(section.family, str(section.size), **section.kwargs)
+        except (ValueError, TypeError) as exc:
+            raise UserError("model.kwargs", section.kwargs, str(exc), "use the options listed above") from None
     if section.hf_config is not None:
         return _hf_model(section)
     model = _import_factory(str(section.target))(**section.kwargs)

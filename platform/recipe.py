@@ -11,6 +11,15 @@ from osdp_planners.hardware import PRESETS
 from osdp_planners.margin import MemoryMargin
 
 
+class FieldProblem(ValueError):
+    """A validator's finding about one key, with its fix: the loader reports it as that key's error,
+    not as the whole section's (pydantic names the section a model validator belongs to)."""
+
+    def __init__(self, field: str, value: object, problem: str, fix: str) -> None:
+        super().__init__(problem)
+        self.field, self.value, self.problem, self.fix = field, value, problem, fix
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -61,20 +70,33 @@ class ModelSection(_Section):
             if given
         ]
         if len(sources) > 1:
-            raise ValueError(f"give one model source, not both {' and '.join(sources)}")
+            raise FieldProblem(
+                "model", " + ".join(sources), "gives more than one model source", "keep one of them, remove the others"
+            )
         if not sources:
-            raise ValueError(
+            raise FieldProblem(
+                "model",
+                None,
+                "names no model",
                 "give family+size (e.g. family: llama, size: tiny), hf_config (a transformers config) "
-                "or target: 'pkg.module:factory'"
+                "or target: 'pkg.module:factory'",
             )
         if zoo and (self.family is None or self.size is None):
-            raise ValueError("a zoo model needs both family and size")
+            missing = "model.size" if self.size is None else "model.family"
+            raise FieldProblem(missing, None, "is missing: a zoo model needs both family and size", f"set {missing}")
         if self.target is not None and ":" not in self.target:
-            raise ValueError(f"target {self.target!r} must look like 'package.module:factory'")
+            raise FieldProblem("model.target", self.target, "has no ':'", "write it as 'package.module:factory'")
         if isinstance(self.hf_config, dict) and not self.hf_config.get("model_type"):
-            raise ValueError("an inline hf_config needs model_type (e.g. llama, gpt2)")
+            raise FieldProblem(
+                "model.hf_config.model_type",
+                None,
+                "is missing from the inline config",
+                "add model_type: llama (or gpt2, ...)",
+            )
         if isinstance(self.hf_config, str) and not Path(self.hf_config).exists():
-            raise ValueError(f"hf_config {self.hf_config!r} does not exist (give a local config.json or its folder)")
+            raise FieldProblem(
+                "model.hf_config", self.hf_config, "does not exist", "give a local config.json or the folder holding it"
+            )
         return self
 
     @property
@@ -117,25 +139,40 @@ class DataSection(_Section):
 
     @model_validator(mode="after")
     def _source_inputs(self) -> "DataSection":
+        if self.source in ("text_file", "token_files") and not self.path:
+            what = "the text file to train on" if self.source == "text_file" else "a folder written by `prepare`"
+            raise FieldProblem("data.path", None, f"is missing: source {self.source} needs {what}", "set data.path")
         if self.source == "text_file":
-            if not self.path:
-                raise ValueError("source text_file needs path: the text file to train on")
-            if not Path(self.path).is_file():
-                raise ValueError(f"text file {self.path!r} does not exist")
+            path = Path(str(self.path))
+            if not path.is_file():
+                what = "is a folder, not a text file" if path.is_dir() else "does not exist"
+                raise FieldProblem("data.path", self.path, what, "name an existing text file")
         elif self.source == "token_files":
-            if not self.path:
-                raise ValueError("source token_files needs path: a folder written by `osdp-platform prepare`")
-            if not Path(self.path, "tokens.json").is_file():
-                raise ValueError(
-                    f"{self.path!r} holds no tokens.json: write it with `osdp-platform prepare "
-                    "--tokenizer ... --out DIR FILES...`"
+            if not Path(str(self.path), "tokens.json").is_file():
+                raise FieldProblem(
+                    "data.path",
+                    self.path,
+                    "holds no tokens.json" if Path(str(self.path)).is_dir() else "is not a folder",
+                    "write token files with `osdp-platform prepare --tokenizer ... --out DIR FILES...`",
                 )
             if self.tokenizer is not None:
-                raise ValueError("token files carry the tokenizer that made them (tokens.json): remove data.tokenizer")
+                raise FieldProblem(
+                    "data.tokenizer",
+                    self.tokenizer,
+                    "is not used: token files carry the tokenizer that made them (tokens.json)",
+                    "remove data.tokenizer",
+                )
         elif self.path is not None:
-            raise ValueError(f"path is only used with source text_file or token_files (source is {self.source!r})")
+            raise FieldProblem(
+                "data.path",
+                self.path,
+                f"is only read with source text_file or token_files (source is {self.source!r})",
+                "remove data.path, or set data.source=text_file",
+            )
         if self.source == "synthetic" and self.tokenizer not in (None, "bytes"):
-            raise ValueError("synthetic data is byte ids: remove data.tokenizer")
+            raise FieldProblem(
+                "data.tokenizer", self.tokenizer, "is not used: synthetic data is byte ids", "remove data.tokenizer"
+            )
         return self
 
 
@@ -181,11 +218,15 @@ class HardwareSection(_Section):
     @model_validator(mode="after")
     def _known_preset(self) -> "HardwareSection":
         if self.preset not in PRESETS:
-            raise ValueError(f"unknown preset {self.preset!r}; choose one of {sorted(PRESETS)}")
-        if PRESETS[self.preset].accelerator != self.accelerator:
-            raise ValueError(
-                f"preset {self.preset!r} is a {PRESETS[self.preset].accelerator} preset but accelerator is "
-                f"{self.accelerator!r}"
+            raise FieldProblem("hardware.preset", self.preset, "is not a preset", f"use one of {', '.join(PRESETS)}")
+        kind = PRESETS[self.preset].accelerator
+        if kind != self.accelerator:
+            same = [name for name, p in PRESETS.items() if p.accelerator == self.accelerator]
+            raise FieldProblem(
+                "hardware.preset",
+                self.preset,
+                f"is a {kind} preset but hardware.accelerator is {self.accelerator!r}",
+                f"set hardware.accelerator={kind}, or a {self.accelerator} preset: {', '.join(same)}",
             )
         return self
 
@@ -194,14 +235,18 @@ class HardwareSection(_Section):
         if self.pool in ("auto", "any"):
             return self
         if self.pool in RAY_BUILTIN_RESOURCES:
-            raise ValueError(
-                f"pool {self.pool!r} is a resource Ray defines for every node, not a device pool; name the custom "
-                "resource your pool's nodes advertise (e.g. A100_80GB), or use auto / any"
+            raise FieldProblem(
+                "hardware.pool",
+                self.pool,
+                "is a resource Ray defines for every node, not a device pool",
+                "name the custom resource your pool's nodes advertise (e.g. A100_80GB), or use auto / any",
             )
         if not _RESOURCE_NAME.fullmatch(self.pool):
-            raise ValueError(
-                f"pool {self.pool!r} is not a Ray resource name; use letters, digits, '_', '.' or '-', starting "
-                "with a letter (e.g. A100_80GB), or auto / any"
+            raise FieldProblem(
+                "hardware.pool",
+                self.pool,
+                "is not a Ray resource name",
+                "use letters, digits, '_', '.' or '-', starting with a letter (e.g. A100_80GB), or auto / any",
             )
         return self
 
@@ -274,9 +319,14 @@ class PlannerSection(_Section):
     def _manual_needs_file(self) -> "PlannerSection":
         if self.name == "manual":
             if not self.plan_file:
-                raise ValueError("planner manual needs plan_file: a plan JSON to evaluate")
+                raise FieldProblem(
+                    "planner.plan_file",
+                    None,
+                    "is missing: the manual planner evaluates a plan file",
+                    "set planner.plan_file to a plan JSON (from `osdp-platform plan RECIPE --out plan.json`)",
+                )
             if not Path(self.plan_file).is_file():
-                raise ValueError(f"plan file {self.plan_file!r} does not exist")
+                raise FieldProblem("planner.plan_file", self.plan_file, "does not exist", "name an existing plan JSON")
         return self
 
 
@@ -367,20 +417,40 @@ class Recipe(_Section):
         ws = self.hardware.world_size
         g = self.planner.hsdp_group_size
         if g is not None and ws % g:
-            raise ValueError(f"planner.hsdp_group_size {g} must divide the world size {ws}")
+            raise FieldProblem(
+                "planner.hsdp_group_size",
+                g,
+                f"does not divide the world size {ws} (hardware.nodes x workers_per_node)",
+                f"use a divisor of {ws}: {', '.join(str(d) for d in range(1, ws + 1) if ws % d == 0)}",
+            )
         gb, mb = self.train.global_batch_size, self.train.micro_batch_size
         if gb is not None:
-            if gb % ws:
-                raise ValueError(f"train.global_batch_size {gb} must be a multiple of the world size {ws}")
-            if mb != "auto" and gb % (mb * ws):
-                raise ValueError(
-                    f"train.global_batch_size {gb} must be a multiple of micro_batch_size x world size = {mb * ws}"
+            step = ws if mb == "auto" else mb * ws
+            if gb % step:
+                what = "the world size" if mb == "auto" else "micro_batch_size x world size"
+                raise FieldProblem(
+                    "train.global_batch_size",
+                    gb,
+                    f"is not a multiple of {what} = {step}",
+                    f"use a multiple of {step}, e.g. {max(step, gb // step * step)}",
                 )
-        if self.memory_margin.usable(self.memory_limit_bytes) <= 0:
-            raise ValueError(
-                f"planner.memory_reserve_gb {self.planner.memory_reserve_gb} leaves no memory of the "
-                f"{self.memory_limit_bytes / 1024**3:.4g} GiB budget to plan: lower it (or set it "
-                "to 0) or raise the budget"
+        margin = self.memory_margin
+        if margin.usable(self.memory_limit_bytes) <= 0:
+            budget = f"{self.memory_limit_bytes / 1024**3:.4g} GiB"
+            reserve = f"{margin.reserve_bytes / 1024**3:.4g} GiB"
+            if self.planner.memory_reserve_gb is None:
+                raise FieldProblem(
+                    self.budget_key,
+                    round(self.memory_limit_bytes / 1024**3, 4),
+                    f"is below the {reserve} a {self.hardware.accelerator.upper()} keeps unplanned by default "
+                    "(planner.memory_reserve_gb: the CUDA context, NCCL buffers)",
+                    f"raise it above {reserve}, or set planner.memory_reserve_gb lower",
+                )
+            raise FieldProblem(
+                "planner.memory_reserve_gb",
+                self.planner.memory_reserve_gb,
+                f"leaves nothing of the {budget} budget ({self.budget_key}) to plan",
+                f"lower it (or set it to 0), or raise {self.budget_key}",
             )
         return self
 

@@ -3,33 +3,49 @@
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from osdp_planners.errors import UserError, UserErrors
-from osdp_platform.recipe import Recipe
+from osdp_platform.recipe import FieldProblem, Recipe
 
 MAX_EXTENDS_DEPTH = 8
 
 
-def _load_yaml(path: Path, depth: int = 0) -> DictConfig:
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """PyYAML's finding as `line L, column C: problem` (its own text spans several lines)."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark else str(problem)
+
+
+def _load_yaml(path: Path, depth: int = 0, extended_by: Path | None = None) -> DictConfig:
     """Read one recipe file, merged over the base recipe it `extends` (a path relative to it)."""
     if not path.is_file():
-        raise UserError("recipe", str(path), "file does not exist", "pass the path of a recipe YAML file")
+        what = "is a folder, not a recipe file" if path.is_dir() else "does not exist"
+        if extended_by is not None:
+            raise UserError(
+                "extends", str(path), f"{what} (named by {extended_by})", f"fix `extends:` in {extended_by}"
+            )
+        raise UserError("recipe", str(path), what, "pass the path of a recipe YAML file")
     try:
         cfg = OmegaConf.load(path)
+    except yaml.YAMLError as exc:
+        raise UserError("recipe", str(path), f"is not valid YAML: {_yaml_problem(exc)}", "fix the YAML there") from None
     except (OmegaConfBaseException, ValueError, OSError) as exc:
-        raise UserError("recipe", str(path), f"is not valid YAML ({exc})", "fix the YAML syntax") from None
+        text = " ".join(str(exc).split())[:200]
+        raise UserError("recipe", str(path), f"cannot be read as YAML ({text})", "pass a recipe YAML file") from None
     if not isinstance(cfg, DictConfig):
         raise UserError("recipe", str(path), "must be a mapping of sections", "start with `model:` etc.")
     base = cfg.pop("extends", None)
     if base is None:
         return cfg
     if depth >= MAX_EXTENDS_DEPTH:
-        raise UserError("extends", base, "chain is too deep (a cycle?)", "extend at most 8 levels")
-    base_cfg = _load_yaml((path.parent / str(base)).resolve(), depth + 1)
+        raise UserError("extends", base, f"chain is too deep (a cycle?) at {path}", "extend at most 8 levels")
+    base_cfg = _load_yaml((path.parent / str(base)).resolve(), depth + 1, path)
     return OmegaConf.merge(base_cfg, cfg)  # type: ignore[return-value]
 
 
@@ -37,11 +53,16 @@ def _apply_overrides(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise UserError("override", item, "is not key=value", "write it as section.key=value, e.g. train.steps=5")
-    try:
-        return OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))  # type: ignore[return-value]
-    except OmegaConfBaseException as exc:
-        problem = str(exc).splitlines()[0]
-        raise UserError("override", " ".join(overrides), problem, "check the key=value syntax") from None
+    for item in overrides:
+        try:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))  # type: ignore[assignment]
+        except yaml.YAMLError as exc:
+            problem = f"its value is not valid YAML ({_yaml_problem(exc)})"
+            raise UserError("override", item, problem, "quote the value, or close its brackets") from None
+        except OmegaConfBaseException as exc:
+            problem = str(exc).splitlines()[0]
+            raise UserError("override", item, problem, "check the key=value syntax") from None
+    return cfg
 
 
 def _fields_at(loc: tuple[Any, ...]) -> list[str]:
@@ -62,21 +83,28 @@ def _fix_for(err: ErrorDetails) -> str:
     if kind == "extra_forbidden":
         return f"remove it; valid keys here: {', '.join(_fields_at(loc))}"
     if kind == "missing":
-        return "add it to the recipe"
+        return f"add {'.'.join(str(p) for p in loc)} to the recipe (`osdp-platform validate --explain` lists the keys)"
     if kind in ("literal_error", "enum"):
         return "use one of the values listed above"
     if kind.endswith("_parsing") or kind.endswith("_type"):
         return "give a value of the type named above"
-    return "change the value as described"
+    if kind.startswith(("greater_than", "less_than")):
+        return "give a value within the bound named above"
+    return "see `osdp-platform validate --explain` for what the key takes"
 
 
 def _to_user_errors(source: str, exc: ValidationError) -> UserErrors:
     errors = []
     for err in exc.errors():
+        found = err.get("ctx", {}).get("error")
+        if isinstance(found, FieldProblem):  # a validator named the key itself
+            errors.append(UserError(found.field, found.value, found.problem, found.fix))
+            continue
         loc = tuple(str(p) for p in err["loc"])
         field = ".".join(p for p in loc if not p.startswith(("function-", "literal[")))
         msg = err["msg"].removeprefix("Value error, ")
-        errors.append(UserError(field or "recipe", err.get("input"), msg, _fix_for(err)))
+        value = None if err["type"] == "missing" else err.get("input")  # its input is the section around it
+        errors.append(UserError(field or "recipe", value, msg, _fix_for(err)))
     return UserErrors(source, errors)
 
 

@@ -15,9 +15,10 @@ from rich.table import Table
 from osdp_planners import PlanResult
 from osdp_planners.plan import Plan
 from osdp_platform.checkpoint import check_resumable, find_resume_point, storage_root
-from osdp_platform.cluster import beside_the_driver, check_cluster, check_local_devices, connect, pool_request
+from osdp_platform.cluster import beside_the_driver, check_cluster, connect, pool_request
 from osdp_platform.inbox import MetricsInbox, MetricsPump
 from osdp_platform.planning import plan_on_sample_worker, profile_json
+from osdp_platform.preflight import preflight, where_it_runs
 from osdp_platform.recipe import Recipe
 from osdp_platform.report import log_report
 from osdp_platform.system_metrics import NodeSamplers
@@ -167,7 +168,8 @@ def submit(
     own logs and the workers' output through to the terminal.
     """
     console = console or Console()
-    check_local_devices(recipe, address)
+    if planned is None:  # a caller with a plan (sweep) checked the recipe before planning it
+        preflight(recipe, where_it_runs(address))
     point = find_resume_point(recipe, resume) if resume else None
     check_reachable(recipe.tracking.resolved_uri)
     connect(recipe, address, verbose)

@@ -16,9 +16,10 @@ from rich.console import Console
 
 from osdp_planners import PlanResult
 from osdp_planners.errors import NoPlanFits, UserError
-from osdp_platform.cluster import check_cluster, check_local_devices, connect
+from osdp_platform.cluster import check_cluster, connect
 from osdp_platform.compare import Format, Row, compare
 from osdp_platform.planning import plan_on_sample_worker
+from osdp_platform.preflight import preflight, where_it_runs
 from osdp_platform.recipe import Recipe
 from osdp_platform.recipe_loader import load_recipe
 from osdp_platform.submit import ray_logs_hint, submit
@@ -82,7 +83,7 @@ def sweep(
     first = cells[0].recipe
     uri, experiment = first.tracking.resolved_uri, first.tracking.experiment
     for cell in cells:
-        check_local_devices(cell.recipe, address)
+        preflight(cell.recipe, where_it_runs(address))
     check_reachable(uri)
     connect(first, address, verbose)
     if not verbose:

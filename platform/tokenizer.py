@@ -115,17 +115,20 @@ def _zoo_vocab(model: dict[str, Any]) -> tuple[str, int] | None:
 
 def _hf_vocab(model: dict[str, Any]) -> tuple[str, int] | None:
     config = model["hf_config"]
-    if isinstance(config, str):
-        path = Path(config)
-        fields = json.loads((path / "config.json" if path.is_dir() else path).read_text())
-    else:
-        fields = dict(config)
-    fields |= model["kwargs"]
-    if "vocab_size" not in fields:
-        from transformers import AutoConfig
+    try:
+        if isinstance(config, str):
+            path = Path(config)
+            fields = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+        else:
+            fields = dict(config)
+        fields |= model["kwargs"]
+        if "vocab_size" not in fields:
+            from transformers import AutoConfig
 
-        fields["vocab_size"] = AutoConfig.for_model(fields["model_type"]).vocab_size
-    return "model.hf_config.vocab_size", int(fields["vocab_size"])
+            fields["vocab_size"] = AutoConfig.for_model(fields["model_type"]).vocab_size
+        return "model.hf_config.vocab_size", int(fields["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # not a usable config: the model build reports it
 
 
 def check_model_vocab(model: dict[str, Any], data_vocab: int, tokenizer: str) -> None:

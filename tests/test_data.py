@@ -133,7 +133,7 @@ def test_the_planner_profiles_on_the_tokenizers_ids(prepared: Path) -> None:
             ["model.hf_config.vocab_size = 200", "256 token ids"],
         ),
         (["validate", str(RECIPES / "tiny.yaml"), "data.tokenizer=missing.json"], ["data.tokenizer = 'missing.json'"]),
-        (["prepare", "--out", "x", "no-such-file.txt"], ["no-such-file.txt", "is not a file"]),
+        (["prepare", "--out", "x", "no-such-file.txt"], ["no-such-file.txt", "does not exist"]),
     ],
 )
 def test_mistakes_exit_2_with_field_value_and_fix(

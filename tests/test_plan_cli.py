@@ -53,8 +53,12 @@ def test_llama_70b_osdp_on_64_gpus(tmp_path: Path) -> None:
 def test_manual_plan_is_evaluated_and_edits_change_predictions(tmp_path: Path) -> None:
     tiny = str(RECIPES / "tiny.yaml")
     first = tmp_path / "zero3.json"
-    assert run_cli("plan", tiny, "planner.name=zero3", "--out", str(first), cwd=tmp_path).returncode == 0
+    made = run_cli("plan", tiny, "--out", str(first), "planner.name=zero3", cwd=tmp_path)  # an override after --out
+    assert made.returncode == 0, made.stderr[-2000:]
+    assert '"units"' not in made.stdout and "zero3" in made.stdout  # the table, not the JSON
     data = json.loads(first.read_text())
+    printed = run_cli("plan", tiny, "planner.name=zero3", "--json", cwd=tmp_path)
+    assert json.loads(printed.stdout)["units"] == data["units"]
     for unit in data["units"]:
         unit.update(strategy="ddp", shard_group_size=1)
     edited = tmp_path / "edited.json"
