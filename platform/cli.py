@@ -81,6 +81,8 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument("run_ids", nargs="*", metavar="RUN_ID", help="MLflow run ids (default: --experiment's runs)")
     cmp.add_argument("--experiment", help="compare every plan and train run of this MLflow experiment")
     cmp.add_argument("--format", choices=FORMATS, default="table")
+    cmp.add_argument("--wide", action="store_true", help="one line a run and full run ids (default: fit the terminal)")
+    cmp.add_argument("--log", action="store_true", help="also record the comparison (table, chart) as an MLflow run")
     ui = sub.add_parser("ui", help="open the MLflow UI on the tracking store", parents=[common])
     ui.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: 127.0.0.1)")
     ui.add_argument("--port", type=int, default=5000)
@@ -214,7 +216,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     if args.command == "compare":
         from osdp_platform.compare import compare
 
-        compare(_store(args.uri), args.run_ids, args.experiment, args.format, console)
+        compare(_store(args.uri), args.run_ids, args.experiment, args.format, console, record=args.log, wide=args.wide)
         return 0
     if args.command == "ui":
         return _ui(_store(args.uri), args.host, args.port, console)

@@ -98,10 +98,10 @@ def _mib(value: float | None) -> str:
     return "-" if value is None else f"{value / MIB:.2f}"
 
 
-def cells(row: Row) -> list[str]:
+def cells(row: Row, full_ids: bool = False) -> list[str]:
     """One row as printed; the formats are fixed so a reader (or a test) can check them against MLflow."""
     return [
-        f"{row.name} ({row.run_id[:8]})",
+        f"{row.name} ({row.run_id if full_ids else row.run_id[:8]})",
         row.planner,
         row.status,
         " x ".join(map(str, row.batch)) if row.batch else "-",
@@ -115,12 +115,18 @@ def cells(row: Row) -> list[str]:
     ]
 
 
-def as_table(rows: list[Row]) -> Table:
+def as_table(rows: list[Row], wide: bool = False) -> Table:
+    """Narrow: cells wrap to fit the terminal, nothing is cut. Wide: one line a run, full run ids."""
     table = Table(title="runs compared (errors: measured / predicted - 1)")
     for col in COLUMNS:
-        table.add_column(col, justify="left" if col in ("run", "planner", "status") else "right")
+        table.add_column(
+            col,
+            justify="left" if col in ("run", "planner", "status") else "right",
+            no_wrap=wide,
+            overflow="ignore" if wide else "fold",
+        )
     for row in rows:
-        table.add_row(*cells(row))
+        table.add_row(*cells(row, full_ids=wide))
     return table
 
 
@@ -160,9 +166,17 @@ def chart(rows: list[Row], path: Path) -> Path:
 
 
 def compare(
-    uri: str, run_ids: list[str], experiment: str | None, fmt: Format, console: Console, sweep: str | None = None
+    uri: str,
+    run_ids: list[str],
+    experiment: str | None,
+    fmt: Format,
+    console: Console,
+    sweep: str | None = None,
+    record: bool = False,
+    wide: bool = False,
 ) -> list[Row]:
-    """Print the runs side by side and log the comparison (table, JSON, chart) as a run of its own."""
+    """Print the runs side by side; `record`: also log the comparison (table, JSON, chart) as a run of
+    its own (a sweep does; reading runs writes nothing otherwise)."""
     records = run_records(uri, run_ids, experiment, sweep)
     if not records:
         raise UserError(
@@ -173,11 +187,13 @@ def compare(
         )
     rows = [row_of(r) for r in records]
     if fmt == "table":
-        console.print(as_table(rows))
+        console.print(as_table(rows, wide), width=10_000 if wide else None, soft_wrap=wide)
     else:
         console.print(
             as_json(rows) if fmt == "json" else as_markdown(rows), markup=False, highlight=False, soft_wrap=True
         )
+    if not record:
+        return rows
     tracker = RunTracker.start_comparison(
         uri, records[0].experiment_id, [r.run_id for r in rows], {Tag.SWEEP: sweep} if sweep else None
     )

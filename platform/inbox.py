@@ -43,7 +43,15 @@ class NodeSample:
     metrics: dict[str, float]
 
 
-Message = StepReport | NodeSample | CheckpointSaved
+@dataclass(frozen=True)
+class WorkersStarted:
+    """Rank 0 -> driver: the workers (re)started at `step`; after the first, Ray Train restarted them."""
+
+    step: int
+    world_size: int
+
+
+Message = StepReport | NodeSample | CheckpointSaved | WorkersStarted
 
 
 @ray.remote(num_cpus=0)
@@ -97,6 +105,7 @@ class MetricsPump:
     def run(self, done: threading.Event) -> None:
         pending: list[tuple[int, int, dict[str, float]]] = []
         flushed = time.monotonic()
+        starts = 0
         while True:
             finished = done.is_set()  # read before draining: what was pushed before the end is drained
             for message in ray.get(self.inbox.drain.remote()):
@@ -104,6 +113,12 @@ class MetricsPump:
                     self.tracker.log_samples(pending)
                     pending.clear()
                     self.tracker.record_checkpoint(message.step, message.path)
+                elif isinstance(message, WorkersStarted):
+                    starts += 1
+                    if starts > 1:
+                        self.tracker.log_samples(pending)
+                        pending.clear()
+                        self.tracker.record_restart(starts - 1, message.step)
                 elif isinstance(message, NodeSample):
                     named = {system_metric(message.node, k): v for k, v in message.metrics.items()}
                     pending.append((message.index, message.time_ms, named))

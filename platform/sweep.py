@@ -112,4 +112,4 @@ def sweep(
             submit(cell.recipe, address, console, planned=cell.planned, tags=tags, verbose=verbose)
         except Exception as exc:  # a failed cell is recorded as failed; the others still run
             console.print(f"  failed: {exc}", style="red", markup=False)
-    return compare(uri, [], experiment, fmt, console, sweep=tags[Tag.SWEEP])
+    return compare(uri, [], experiment, fmt, console, sweep=tags[Tag.SWEEP], record=True)

@@ -61,6 +61,7 @@ class Tag(StrEnum):
     RESUMED_AT_STEP = "resumed_at_step"
     COMPARED_RUNS = "compared_runs"
     SWEEP = "sweep"  # the sweep a run belongs to
+    RESTARTS = "restarts"  # how often Ray Train restarted the workers after a failure
 
 
 class RunKind(StrEnum):
@@ -87,6 +88,7 @@ class Metric(StrEnum):
     STEP_TIME_RATIO = "step_time_ratio"
     FIRST_LOSS = "first_loss"
     FINAL_LOSS = "final_loss"
+    RESTARTS = "restarts"  # one point per restart of the workers, at the step they resumed from
 
 
 def baseline_metric(strategy: str, quantity: str) -> str:
@@ -304,6 +306,12 @@ class RunTracker:
     def record_checkpoint(self, step: int, path: str) -> None:
         """Every rank's files for the checkpoint are stored at `path`; a resume continues at `step`."""
         self.set_tags({Tag.CHECKPOINT_PATH: path, Tag.CHECKPOINT_STEP: str(step)})
+
+    def record_restart(self, count: int, step: int) -> None:
+        """The workers started again after a failure, at `step`: the count as a tag, and each restart as a
+        point of the `restarts` metric at the step it resumed from (the run's timeline shows where)."""
+        self.set_tags({Tag.RESTARTS: str(count)})
+        self.log_metrics({Metric.RESTARTS: float(count)}, step)
 
     def record_resume(self, run_id: str, path: str, step: int) -> None:
         self.set_tags({Tag.RESUMED_FROM_RUN: run_id, Tag.RESUMED_FROM_CHECKPOINT: path, Tag.RESUMED_AT_STEP: str(step)})

@@ -19,7 +19,7 @@ from osdp_planners.local_ranks import pin_to_core
 from osdp_planners.plan import Plan
 from osdp_platform.checkpoint import CheckpointSaved, restore, save_and_report, should_save
 from osdp_platform.data import BatchSampler, load_tokens
-from osdp_platform.inbox import MetricsSender, StepReport
+from osdp_platform.inbox import MetricsSender, StepReport, WorkersStarted
 from osdp_platform.memory import measure_step_peak
 from osdp_platform.models import build_sharded
 from osdp_platform.recipe import Recipe
@@ -131,6 +131,8 @@ def train_loop(config: dict[str, Any], before_step: Callable[[int], None] | None
     first = restore(model, optimizer, saved.path if saved else None, cfg.resume_from)
     sampler = BatchSampler(load_tokens(recipe.data, recipe.train.seed), plan.seq_len, recipe.train.seed)
     sender = MetricsSender(cfg.inbox) if rank == 0 and cfg.inbox is not None else None
+    if sender is not None:
+        sender.send(WorkersStarted(first, world))
     probes = memory_probe_steps(recipe.train.steps, device.type)
     tokens_per_step = plan.global_batch_size * plan.seq_len
 

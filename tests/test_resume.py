@@ -107,8 +107,12 @@ def test_killed_worker_resumes_from_last_checkpoint(store: Store, reference: lis
     for step, loss in logged:
         assert loss == pytest.approx(reference[step], rel=1e-6), step
     assert [s["loss"] for s in faulty.steps] == pytest.approx(reference[:FAULT_STEPS], rel=1e-6)
-    tags = MlflowClient(store.uri).get_run(faulty.run_id).data.tags
+    client = MlflowClient(store.uri)
+    tags = client.get_run(faulty.run_id).data.tags
     assert tags["checkpoint_step"] == str(FAULT_STEPS)
+    assert tags["restarts"] == "1"  # the restart is on record: a tag, and an event at the step it resumed from
+    restarts = client.get_metric_history(faulty.run_id, "restarts")
+    assert [(m.step, m.value) for m in restarts] == [(2, 1.0)]  # resumed from step 2's checkpoint
     uri = tags["checkpoint_path"]
     assert uri.startswith(f"file://{store.root}/ckpts/")
     folder = Path(uri.removeprefix("file://"))

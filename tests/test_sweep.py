@@ -108,3 +108,8 @@ def test_sweep_over_the_planners(
     assert {"comparison.png", "comparison.md", "comparison.json"} <= {
         a.path for a in client.list_artifacts(comparison.info.run_id)
     }
+    # reading the runs back writes nothing, and --wide shows every run id whole on one line
+    assert main(["compare", "--uri", mlflow_server.uri, "--experiment", "sweep", "--wide"]) == 0
+    wide = capsys.readouterr().out
+    assert len(client.search_runs([experiment])) == len(runs)
+    assert all(any(r.info.run_id in line for line in wide.splitlines()) for r in cells), wide
