@@ -243,6 +243,9 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         sweep(args.recipe, args.overrides, args.address, console, args.format, args.verbose)
         return 0
     recipe = load_recipe(args.recipe, args.overrides)
+    from osdp_platform.preflight import preflight, where_it_runs
+
+    preflight(recipe, where_it_runs(args.address))  # before Ray and the training modules are even imported
     from osdp_platform.submit import ray_logs_hint, submit
 
     if not args.verbose:

@@ -24,6 +24,7 @@ from osdp_platform.tracking import Metric, RunRecord, RunTracker, Tag, run_recor
 
 Format = Literal["table", "json", "markdown"]
 MIB = 1024**2
+WIDE_CONSOLE = 100_000  # columns: wide enough for any table
 COLUMNS = (
     "run",
     "planner",
@@ -187,7 +188,8 @@ def compare(
         )
     rows = [row_of(r) for r in records]
     if fmt == "table":
-        console.print(as_table(rows, wide), width=10_000 if wide else None, soft_wrap=wide)
+        # a console as wide as the table: the table's own width decides, not the terminal's
+        (Console(file=console.file, width=WIDE_CONSOLE) if wide else console).print(as_table(rows, wide))
     else:
         console.print(
             as_json(rows) if fmt == "json" else as_markdown(rows), markup=False, highlight=False, soft_wrap=True

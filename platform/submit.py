@@ -18,7 +18,6 @@ from osdp_platform.checkpoint import check_resumable, find_resume_point, storage
 from osdp_platform.cluster import beside_the_driver, check_cluster, connect, pool_request
 from osdp_platform.inbox import MetricsInbox, MetricsPump
 from osdp_platform.planning import plan_on_sample_worker, profile_json
-from osdp_platform.preflight import preflight, where_it_runs
 from osdp_platform.recipe import Recipe
 from osdp_platform.report import log_report
 from osdp_platform.system_metrics import NodeSamplers
@@ -168,8 +167,6 @@ def submit(
     own logs and the workers' output through to the terminal.
     """
     console = console or Console()
-    if planned is None:  # a caller with a plan (sweep) checked the recipe before planning it
-        preflight(recipe, where_it_runs(address))
     point = find_resume_point(recipe, resume) if resume else None
     check_reachable(recipe.tracking.resolved_uri)
     connect(recipe, address, verbose)
