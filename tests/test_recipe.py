@@ -61,7 +61,7 @@ def test_extends_interpolation_and_overrides(tmp_path: Path) -> None:
         (["data.source=text_file", "data.path=/no/such/file.txt"], "data", "/no/such/file.txt"),
         (["train.global_batch_size=6"], "", "multiple of micro_batch_size"),
         (["hardware.memory_per_device_gb=1", "planner.memory_reserve_gb=2"], "planner.memory_reserve_gb", "lower it"),
-        (["model.target=nomodule"], "model", "not both"),
+        (["model.target=nomodule"], "model", "more than one model source"),
         (["model.family=null", "model.size=null", "model.target=nomodule"], "model", "package.module:factory"),
     ],
 )
