@@ -1,0 +1,69 @@
+"""The planner times what the workers run (precision, optimizer), and MFU follows its stated formula."""
+
+import pytest
+import torch
+from torch import nn
+
+from osdp_planners.compute_probe import compute_copy, measure_totals
+from osdp_planners.hardware import get_preset
+from osdp_planners.mfu import mfu, model_shape
+from osdp_planners.runtime import make_optimizer
+from osdp_platform.models import build_model
+from osdp_platform.recipe import ModelSection
+
+
+class _Lm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(8, 16)
+        self.out = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.embed(x))
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("fp32", torch.float32), ("bf16-mixed", torch.bfloat16)])
+def test_the_probe_computes_in_the_training_precision(precision: str, dtype: torch.dtype) -> None:
+    model = _Lm()
+    seen: list[torch.dtype] = []  # a hook's function survives the probe's copy of the model; this list with it
+    model.out.register_forward_pre_hook(lambda m, args: seen.append(m.weight.dtype))
+    totals = measure_totals(model, 4, 8, torch.device("cpu"), precision=precision)
+    assert seen and set(seen) == {dtype}
+    assert all(p.dtype == torch.float32 for p in model.parameters()), "master weights stay fp32"
+    assert totals["optimizer_s_per_param"] > 0
+
+
+def test_mixed_precision_master_weights_get_fp32_gradients_for_the_optimizer() -> None:
+    model = _Lm()
+    before = model.out.weight.detach().clone()
+    copy = compute_copy(model, "bf16-mixed")
+    assert copy is not model and copy.out.weight.dtype == torch.bfloat16
+    opt = make_optimizer(model.parameters(), "adamw", "cpu", lr=0.1, weight_decay=0.1)
+    opt.step()
+    assert not torch.equal(model.out.weight, before), "the step updated the master weights"
+    assert compute_copy(model, "fp32") is model
+
+
+def test_adamw_is_fused_on_cuda_only() -> None:
+    params = [nn.Parameter(torch.zeros(2))]
+    assert make_optimizer(params, "adamw", "cuda").defaults["fused"] is True
+    assert not make_optimizer(params, "adamw", "cpu").defaults["fused"]
+    assert isinstance(make_optimizer(params, "sgd", "cuda"), torch.optim.SGD)
+
+
+def test_mfu_of_the_tiny_llama_by_hand() -> None:
+    """Zoo tiny llama: dim 64, 2 layers, 4 heads of 16, 2 KV heads, FFN 172, vocab 256, untied head."""
+    shape = model_shape(build_model(ModelSection(family="llama", size="tiny"), "meta"))
+    per_layer = 64 * 64 + 2 * (64 * 32) + 64 * 64 + 3 * 64 * 172  # q, k and v, o, gate/up/down
+    assert shape.linear_params == 2 * per_layer + 64 * 256
+    assert shape.flops_per_token(64) == 6 * (2 * per_layer + 64 * 256) + 12 * 2 * 64 * 64
+    assert mfu(1000.0, shape.flops_per_token(64), 1e12) == pytest.approx(1000 * 740_352 / 1e12)
+
+
+def test_mfu_matches_the_issues_h200_measurement() -> None:
+    """Issue 23: llama 1b at seq 2048, 48,090 tokens/s on one H200 is 40.0% MFU (peak 989 TFLOP/s)."""
+    shape = model_shape(build_model(ModelSection(family="llama", size="1b"), "meta"))
+    peak = get_preset("h200-141gb").peak_flops_per_s
+    assert peak == 989e12
+    assert mfu(48_090, shape.flops_per_token(2048), peak) == pytest.approx(0.400, abs=0.0015)
+    assert get_preset("h200-141gb").flops_per_s == pytest.approx(0.40 * 989e12)
