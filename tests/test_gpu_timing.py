@@ -1,5 +1,9 @@
 """The planner times what the workers run (precision, optimizer), and MFU follows its stated formula."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -67,3 +71,14 @@ def test_mfu_matches_the_issues_h200_measurement() -> None:
     assert peak == 989e12
     assert mfu(48_090, shape.flops_per_token(2048), peak) == pytest.approx(0.400, abs=0.0015)
     assert get_preset("h200-141gb").flops_per_s == pytest.approx(0.40 * 989e12)
+
+
+def test_the_gpu_check_imports_neither_ray_nor_mlflow() -> None:
+    """benchmarks/gpu_check.py runs on a node that has torch and the scientific stack only."""
+    code = (
+        "import sys; sys.path.insert(0, 'benchmarks'); import gpu_check; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'ray', 'mlflow'}))"
+    )
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
