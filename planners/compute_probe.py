@@ -10,10 +10,11 @@ timed in this process; a CPU pool on concurrent processes, as its workers run (s
 """
 
 import copy
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,10 +32,12 @@ REPEATS = 9
 class MeasuredTimes:
     forward: dict[str, Linear1]  # unit -> seconds for its forward at a micro batch
     backward: dict[str, Linear1]
-    optimizer_s_per_param: float  # AdamW step time per parameter owned
+    optimizer_s_per_param: float  # optimizer step time per parameter owned
+    # GPU: strategy -> seconds FSDP2's copies and casts add per parameter byte of a unit (fsdp_probe)
+    fsdp_s_per_byte: dict[str, float] = field(default_factory=dict)
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -46,13 +49,13 @@ def forward_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _time_pass(model: nn.Module, x: torch.Tensor, device: torch.device) -> tuple[float, float]:
     """Seconds of one forward (with the loss) and of its backward (synchronised on CUDA)."""
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     loss = forward_loss(model, x)
-    _sync(device)
+    sync(device)
     t1 = time.perf_counter()
     loss.backward()
-    _sync(device)
+    sync(device)
     return t1 - t0, time.perf_counter() - t1
 
 
@@ -106,10 +109,10 @@ def measure_totals(
     steps = []
     for _ in range(REPEATS):
         barrier()
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         opt.step()
-        _sync(device)
+        sync(device)
         steps += slowest([time.perf_counter() - t0])
     totals["optimizer_s_per_param"] = statistics.median(steps) / sum(p.numel() for p in model.parameters())
     return totals
@@ -144,7 +147,18 @@ def measure_times(
     flops: dict[str, float],
     precision: str = "fp32",
     optimizer: str = "adamw",
+    world: int = 1,
 ) -> MeasuredTimes:
-    """Time the model in this process on `device`, in the training precision and with its optimizer."""
+    """Time the model in this process on `device`, in the training precision and with its optimizer;
+    on a GPU also what FSDP2 adds per byte for a rank of `world` (fsdp_probe)."""
     totals = measure_totals(build(str(device)), seq_len, vocab_size, device, precision=precision, optimizer=optimizer)
-    return share_by_flops(totals, flops)
+    times = share_by_flops(totals, flops)
+    if device.type != "cuda":
+        return times
+    from osdp_planners.fsdp_probe import measure_fsdp_costs  # it imports this module
+
+    torch.cuda.empty_cache()
+    batch = str(TIMING_BATCHES[-1])
+    plain_s = totals["forward"][batch] + totals["backward"][batch]
+    costs = measure_fsdp_costs(build, seq_len, vocab_size, device, world, precision, plain_s)
+    return dataclasses.replace(times, fsdp_s_per_byte=costs)

@@ -86,7 +86,9 @@ def build_context(build: Builder, req: PlanRequest, measure_on: str | None) -> C
                     comm = calibrate(comm, overheads, profile, probes, compute_bytes, measured.optimizer_s_per_param)
         else:
             device = torch.device(measure_on)
-            measured = measure_times(build, req.seq_len, req.token_range, device, flops, req.precision, req.optimizer)
+            measured = measure_times(
+                build, req.seq_len, req.token_range, device, flops, req.precision, req.optimizer, req.world_size
+            )
     return Context(
         profile,
         Topology(req.world_size, req.workers_per_node, req.device, comm),

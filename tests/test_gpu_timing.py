@@ -1,17 +1,24 @@
 """The planner times what the workers run (precision, optimizer), and MFU follows its stated formula."""
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from test_search import builder, context
 from torch import nn
 
-from osdp_planners.compute_probe import compute_copy, measure_totals
+from osdp_planners.compute_probe import MeasuredTimes, compute_copy, measure_totals
+from osdp_planners.fsdp_probe import measure_fsdp_costs
 from osdp_planners.hardware import get_preset
 from osdp_planners.mfu import mfu, model_shape
+from osdp_planners.options import Option
+from osdp_planners.plan import Strategy
+from osdp_planners.profile import Linear1
 from osdp_planners.runtime import make_optimizer
+from osdp_planners.time_model import unit_time
 from osdp_platform.models import build_model
 from osdp_platform.recipe import ModelSection
 
@@ -82,3 +89,28 @@ def test_the_gpu_check_imports_neither_ray_nor_mlflow() -> None:
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_fsdp2_copies_are_charged_per_byte_on_the_compute_stream() -> None:
+    """A GPU-measured cost per byte adds to a unit's compute, before overlap with its collectives."""
+    ctx = context("llama")
+    unit = ctx.profile.units[1].name
+    base = MeasuredTimes({unit: Linear1(0.01, 0.0)}, {unit: Linear1(0.02, 0.0)}, 1e-9)
+    costly = dataclasses.replace(base, fsdp_s_per_byte={"zero3": 1e-9, "ddp": 0.0})
+    zero3, dp = Option(Strategy.ZERO3, 4), Option(Strategy.DDP, 1)
+    nbytes = ctx.profile.param_bytes[unit]
+    plain = unit_time(ctx.profile, unit, zero3, 1, ctx.topo, base, 4, True).compute_s
+    assert plain == pytest.approx(0.03)
+    assert unit_time(ctx.profile, unit, zero3, 1, ctx.topo, costly, 4, True).compute_s == pytest.approx(
+        0.03 + 1e-9 * nbytes
+    )
+    assert unit_time(ctx.profile, unit, dp, 1, ctx.topo, costly, 4, True).compute_s == pytest.approx(0.03)
+
+
+def test_fsdp2_costs_are_measured_for_a_rank_under_the_fake_group() -> None:
+    """On CPU FSDP2's hooks cost far more than its copies; the probe runs and finds every strategy adds time."""
+    build = builder("llama", 2)
+    costs = measure_fsdp_costs(build, 32, 256, torch.device("cpu"), 4, "bf16-mixed", plain_s=0.0)
+    assert set(costs) == {"ddp", "zero2", "zero3"}
+    assert all(c > 0 for c in costs.values())
+    assert not torch.distributed.is_initialized(), "the probe's process group is gone"
