@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from osdp_planners.block_probe import measure_blocks
 from osdp_planners.comm_probe import CommProfile, cached_comm
 from osdp_planners.compute_probe import MeasuredTimes, measure_times
 from osdp_planners.errors import UserError, UserErrors
@@ -59,6 +60,18 @@ def _profile(build: Builder, req: PlanRequest, structure: str, dtype: torch.dtyp
     return _profiles[key]
 
 
+WHOLE_MODEL_FRACTION = 0.5  # of the device's memory the whole-model probe's states may take
+PROBE_BYTES_PER_PARAM = 20  # fp32 weights, gradients and two moments, and the bf16 copy with its gradients
+
+
+def _whole_model_fits(build: Builder, device: torch.device) -> bool:
+    """Whether the model is timed whole on `device`; otherwise block by block (block_probe)."""
+    if device.type != "cuda":
+        return True
+    params = sum(p.numel() for p in build("meta").parameters())
+    return PROBE_BYTES_PER_PARAM * params < WHOLE_MODEL_FRACTION * torch.cuda.get_device_properties(device).total_memory
+
+
 def build_context(build: Builder, req: PlanRequest, measure_on: str | None) -> Context:
     """Profile the model (fake tensors) and, where it runs here, time it for real.
 
@@ -86,9 +99,12 @@ def build_context(build: Builder, req: PlanRequest, measure_on: str | None) -> C
                     comm = calibrate(comm, overheads, profile, probes, compute_bytes, measured.optimizer_s_per_param)
         else:
             device = torch.device(measure_on)
-            measured = measure_times(
-                build, req.seq_len, req.token_range, device, flops, req.precision, req.optimizer, req.world_size
-            )
+            if _whole_model_fits(build, device):
+                measured = measure_times(
+                    build, req.seq_len, req.token_range, device, flops, req.precision, req.optimizer, req.world_size
+                )
+            else:
+                measured = measure_blocks(build, req.seq_len, req.token_range, device, req.precision, req.optimizer)
     return Context(
         profile,
         Topology(req.world_size, req.workers_per_node, req.device, comm),

@@ -35,7 +35,7 @@ def plan_request(recipe: Recipe) -> PlanRequest:
     )
 
 
-MEASURE_LIMIT_FRACTION = 0.2  # time the model for real only if its training states take under this share
+MEASURE_LIMIT_FRACTION = 0.2  # a CPU pool's model is timed only if its training states take under this share
 
 
 def _host_memory_bytes() -> int:
@@ -46,14 +46,13 @@ def measure_device(recipe: Recipe, param_count: int) -> str | None:
     """Where this process can time the model for real: CPU pools here, GPU pools on a GPU worker.
 
     The gate is the memory this process really has, not the recipe's budget: a tight planning
-    budget must not switch measurement off.
+    budget must not switch measurement off. Any GPU times the model: whole where it fits, else
+    block by block (osdp_planners.block_probe).
     """
     states = 16 * param_count  # fp32 params, grads and two AdamW moments
     if recipe.hardware.accelerator == "cpu":
         return "cpu" if states < MEASURE_LIMIT_FRACTION * _host_memory_bytes() else None
-    if torch.cuda.is_available() and states < MEASURE_LIMIT_FRACTION * torch.cuda.get_device_properties(0).total_memory:
-        return "cuda"
-    return None
+    return "cuda" if torch.cuda.is_available() else None  # too large to time whole: block by block
 
 
 def plan_recipe(recipe: Recipe) -> PlanResult:
