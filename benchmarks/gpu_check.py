@@ -42,12 +42,14 @@ from osdp_platform.models import build_model, build_sharded
 from osdp_platform.recipe import Recipe
 from osdp_platform.recipe_loader import load_recipe
 from osdp_platform.step import build_optimizer, train_step
+from osdp_platform.worker_env import worker_env
 
 HERE = Path(__file__).resolve().parent
 RECIPE = HERE.parent / "recipes" / "llama.yaml"
 RESULTS = HERE / "results" / "gpu_check.json"
 MARKERS = ("<!-- gpu_check -->", "<!-- /gpu_check -->")
 WARMUP, STEPS = 3, 6
+CASE_TIMEOUT_S = 150  # one case that hangs must not eat the check's 5 minutes
 TARGETS = "step within 10% of predicted in every case; tokens/s >= 1.0x the hand-written loop at world 1"
 # name -> (model size, world, planner, micro batch); world 1 runs a real process group of one
 CASES = {
@@ -55,6 +57,7 @@ CASES = {
     "1b rank 0 of 8 ddp": ("1b", 8, "ddp", 4),
     "1b rank 0 of 8 zero3": ("1b", 8, "zero3", 4),
     "1b rank 0 of 8 osdp": ("1b", 8, "osdp", 4),
+    "7b rank 0 of 8 ddp": ("7b", 8, "ddp", 1),  # 16 bytes a parameter: fits an H200 only, if at all
     "7b rank 0 of 8 zero3": ("7b", 8, "zero3", 1),
     "7b rank 0 of 8 osdp": ("7b", 8, "osdp", 1),
 }
@@ -252,14 +255,26 @@ def main() -> None:
         print(json.dumps(run_case(args.case, args)))
         return
     command = " ".join(["python benchmarks/gpu_check.py", *sys.argv[1:]])
+    started = time.perf_counter()
     rows = []
     for name in args.cases:
         child = [sys.executable, __file__, "--case", name, "--device", args.device, "--seq-len", str(args.seq_len)]
-        done = subprocess.run([*child, *(["--tiny"] if args.tiny else [])], capture_output=True, text=True)
-        if done.returncode:
-            rows.append({"case": name, "error": (done.stderr.strip().splitlines() or ["?"])[-1][:200]})
+        env = {**os.environ, **worker_env(os.environ)}  # the allocator settings the workers run with
+        try:
+            done = subprocess.run(
+                [*child, *(["--tiny"] if args.tiny else [])],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=CASE_TIMEOUT_S,
+            )
+        except subprocess.TimeoutExpired:
+            rows.append({"case": name, "error": f"over {CASE_TIMEOUT_S} s"})
         else:
-            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            if done.returncode:
+                rows.append({"case": name, "error": (done.stderr.strip().splitlines() or ["?"])[-1][:200]})
+            else:
+                rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]), flush=True)
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else f"CPU ({os.cpu_count()} cores)"
     for r in rows:
@@ -271,6 +286,7 @@ def main() -> None:
         write_section(HERE / "RESULTS.md", markdown(ok, command))
     for line in markdown(ok, command) if ok else []:
         print(line)
+    print(f"gpu_check: {len(ok)} of {len(rows)} cases in {time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":
