@@ -1,10 +1,11 @@
 """For a GPU machine: one rank of an N-rank job, its CUDA peaks against the planner's prediction.
 
-Rank 0 of `--world` ranks runs in this process with a fake process group: FSDP2 shards, gathers and
-frees exactly as in the real job, on real CUDA tensors, while collectives move nothing. For each
-plan (uniform DP, uniform ZeRO-3, and a mixed plan: every other unit DP, the rest ZeRO-3) it
-reports the allocator's allocated and reserved peaks over steady-state steps beside the simulated
-peak, and how much of the GPU margin (planners/margin.py) the reserve-over-allocated gap uses.
+Rank 0 of `--world` ranks runs with a fake process group: FSDP2 shards, gathers and frees exactly
+as in the real job, on real CUDA tensors, while collectives move nothing. For each plan (uniform
+DP, uniform ZeRO-3, and a mixed plan: every other unit DP, the rest ZeRO-3), each in a process of
+its own with the workers' allocator settings (platform/worker_env.py), it reports the allocator's
+allocated and reserved peaks over steady-state steps beside the simulated peak, and how much of
+the GPU margin (planners/margin.py) the reserve-over-allocated gap uses. Imports no Ray or MLflow.
 Prints a table and writes benchmarks/results/gpu_fake_rank.json. One call on a lent H100/H200:
   .venv/bin/python benchmarks/gpu_fake_rank.py recipes/llama.yaml model.size=1b --world 8
 `--device cpu` runs the same code with torch's memory tracker (no reserve), as a smoke test.
@@ -12,6 +13,10 @@ Prints a table and writes benchmarks/results/gpu_fake_rank.json. One call on a l
 
 import argparse
 import json
+import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +31,13 @@ from osdp_planners.options import Option
 from osdp_planners.plan import Plan, Strategy
 from osdp_planners.torch_private import register_fake_backend
 from osdp_platform.apply import Meshes, apply_plan
+from osdp_platform.local_plan import plan_recipe
 from osdp_platform.memory import measure_step_peak
 from osdp_platform.models import build_model
-from osdp_platform.planning import plan_recipe
 from osdp_platform.recipe import Recipe
 from osdp_platform.recipe_loader import load_recipe
 from osdp_platform.step import build_optimizer, train_step
+from osdp_platform.worker_env import worker_env
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gpu_fake_rank.json"
 MIB = 1024**2
@@ -80,6 +86,20 @@ def _measure(recipe: Recipe, plan: Plan, device: torch.device, meshes: Meshes, s
     return {"allocated_peak_bytes": allocated, "reserved_peak_bytes": reserved or allocated}
 
 
+def _measure_in_child(plan: Plan, argv: list[str]) -> dict[str, int]:
+    """One plan in a fresh process: no allocator state left by another plan, the workers' environment."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        f.write(plan.model_dump_json())
+        f.flush()
+        env = {**os.environ, **worker_env(os.environ)}
+        done = subprocess.run(
+            [sys.executable, __file__, *argv, "--measure", f.name], env=env, capture_output=True, text=True, check=False
+        )
+    if done.returncode:
+        raise RuntimeError(f"measuring plan failed: {done.stderr.strip()[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("recipe")
@@ -88,6 +108,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="measured steps after the first")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--measure", help=argparse.SUPPRESS)  # a child process: measure this plan file
     args = parser.parse_args()
     accel = "gpu" if args.device == "cuda" else "cpu"
     pool = ["hardware.nodes=1", f"hardware.workers_per_node={args.world}", f"hardware.accelerator={accel}"]
@@ -95,30 +116,31 @@ def main() -> None:
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if args.measure:  # a child process: one plan, its peaks as a JSON line
+        plan = Plan.from_file(args.measure)
+        register_fake_backend()
+        dist.init_process_group("fake", rank=0, world_size=args.world, store=dist.HashStore())
+        try:
+            print(json.dumps(_measure(recipe, plan, device, Meshes(device.type, args.world, {}), args.steps)))
+        finally:
+            dist.destroy_process_group()
+        return
     plans, ctx = _plans(recipe)
-    register_fake_backend()
-    dist.init_process_group("fake", rank=0, world_size=args.world, store=dist.HashStore())
-    meshes = Meshes(device.type, args.world, {})
     rows: list[dict[str, Any]] = []
-    try:
-        for name, plan in plans.items():
-            options = {u.name: Option.of(u) for u in plan.units}
-            predicted = evaluate(ctx, options, plan.micro_batch_size, plan.grad_accum_steps).peak_bytes
-            measured = _measure(recipe, plan, device, meshes, args.steps)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()  # the previous plan's model is gone: its cached blocks must not count
-            rows.append(
-                {
-                    "plan": name,
-                    "micro_batch": plan.micro_batch_size,
-                    "predicted_peak_bytes": int(predicted),
-                    **measured,
-                    "allocated_vs_predicted": measured["allocated_peak_bytes"] / predicted - 1,
-                    "reserved_over_allocated": measured["reserved_peak_bytes"] / measured["allocated_peak_bytes"] - 1,
-                }
-            )
-    finally:
-        dist.destroy_process_group()
+    for name, plan in plans.items():
+        options = {u.name: Option.of(u) for u in plan.units}
+        predicted = evaluate(ctx, options, plan.micro_batch_size, plan.grad_accum_steps).peak_bytes
+        measured = _measure_in_child(plan, sys.argv[1:])
+        rows.append(
+            {
+                "plan": name,
+                "micro_batch": plan.micro_batch_size,
+                "predicted_peak_bytes": int(predicted),
+                **measured,
+                "allocated_vs_predicted": measured["allocated_peak_bytes"] / predicted - 1,
+                "reserved_over_allocated": measured["reserved_peak_bytes"] / measured["allocated_peak_bytes"] - 1,
+            }
+        )
     print(
         f"{recipe.model.label}, rank 0 of {args.world}, {device.type}; GPU margin default "
         f"{DEFAULT_FRACTION['gpu']:.0%} + 1 GiB"

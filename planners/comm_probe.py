@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from osdp_planners.local_ranks import cache_file, cached, run_ranks, slowest
+from osdp_planners.runtime import make_optimizer, mp_policy
 
 LARGE = 4 << 20  # bytes of the bandwidth probes
 WIDTH, REPEATS = 16, 15
@@ -60,12 +61,19 @@ def _stack(units: int, tensors: int) -> nn.Sequential:
     )
 
 
-def added_seconds(plain: nn.Module, sharded: nn.Module, step: Callable[[nn.Module], object]) -> tuple[float, float]:
-    """Median seconds FSDP2 adds to forward+backward (`step`) and to an AdamW step, plain and sharded
+def added_seconds(
+    plain: nn.Module,
+    sharded: nn.Module,
+    step: Callable[[nn.Module], object],
+    plain_master: nn.Module | None = None,
+    optimizer: str = "adamw",
+) -> tuple[float, float]:
+    """Median seconds FSDP2 adds to forward+backward (`step`) and to an optimizer step, plain and sharded
     runs interleaved so that drift in the machine's speed cancels out of each difference; each time
-    is the slowest rank's."""
+    is the slowest rank's. Under mixed precision `plain` is the compute copy and `plain_master` holds
+    the fp32 weights its optimizer steps (compute_probe.compute_copy)."""
     models = (plain, sharded)
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-4) for m in models]
+    opts = [make_optimizer(m.parameters(), optimizer, "cpu") for m in (plain_master or plain, sharded)]
     step_diffs, opt_diffs = [], []
     for i in range(REPEATS + 1):
         steps, updates = [], []
@@ -93,13 +101,19 @@ def probe_meshes(world: int) -> dict[str, DeviceMesh]:
 
 
 def shard_uniform(
-    model: nn.Module, units: list[list[nn.Module]], strategy: str, meshes: dict[str, DeviceMesh]
+    model: nn.Module,
+    units: list[list[nn.Module]],
+    strategy: str,
+    meshes: dict[str, DeviceMesh],
+    precision: str = "fp32",
 ) -> nn.Module:
-    """Every unit (its modules) under one strategy, the root over the rest."""
+    """Every unit (its modules) under one strategy, the root over the rest, in the training precision."""
     mesh = meshes["ddp" if strategy == "ddp" else "zero"]
+    mp = mp_policy(precision)
     for modules in units:
-        fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, reshard_after_forward=strategy == "zero3")
-    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        unit = modules if len(modules) > 1 else modules[0]
+        fully_shard(unit, mesh=mesh, reshard_after_forward=strategy == "zero3", mp_policy=mp)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
     return model
 
 

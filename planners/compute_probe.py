@@ -1,14 +1,20 @@
 """Measured compute time: real tensors, forward and backward at two batches, and the optimizer step.
 
+Timed as the workers train (osdp_planners.runtime): under bf16-mixed the passes run on a bf16 copy of
+the model (what FSDP2's param_dtype computes with) and the optimizer steps the fp32 master weights;
+fp32 and bf16 kernels differ several-fold in speed, on GPUs and CPUs alike.
+
 Used when the model fits where it is measured (always for CPU pools, whose presets carry no reliable
 FLOP rate); otherwise the cost model falls back to FLOPs over the preset's sustained rate. A GPU is
 timed in this process; a CPU pool on concurrent processes, as its workers run (see model_probe).
 """
 
+import copy
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -16,6 +22,7 @@ from torch import nn
 
 from osdp_planners.loss import lm_loss, logits_of
 from osdp_planners.profile import Linear1
+from osdp_planners.runtime import compute_dtype, make_optimizer
 
 TIMING_BATCHES = (1, 4)
 REPEATS = 9
@@ -25,10 +32,12 @@ REPEATS = 9
 class MeasuredTimes:
     forward: dict[str, Linear1]  # unit -> seconds for its forward at a micro batch
     backward: dict[str, Linear1]
-    optimizer_s_per_param: float  # AdamW step time per parameter owned
+    optimizer_s_per_param: float  # optimizer step time per parameter owned
+    # GPU: strategy -> seconds FSDP2's copies and casts add per parameter byte of a unit (fsdp_probe)
+    fsdp_s_per_byte: dict[str, float] = field(default_factory=dict)
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -40,14 +49,28 @@ def forward_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _time_pass(model: nn.Module, x: torch.Tensor, device: torch.device) -> tuple[float, float]:
     """Seconds of one forward (with the loss) and of its backward (synchronised on CUDA)."""
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     loss = forward_loss(model, x)
-    _sync(device)
+    sync(device)
     t1 = time.perf_counter()
     loss.backward()
-    _sync(device)
+    sync(device)
     return t1 - t0, time.perf_counter() - t1
+
+
+def compute_copy(model: nn.Module, precision: str) -> nn.Module:
+    """The model as FSDP2's mixed-precision policy computes it: its parameters in the compute dtype.
+
+    Under bf16-mixed this is a bf16 copy and `model` stays the optimizer's fp32 master weights; they
+    get zero gradients, as FSDP2 leaves fp32 gradients on them, so that the optimizer step does its work.
+    """
+    dtype = compute_dtype(precision)
+    if dtype == torch.float32:
+        return model
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    return copy.deepcopy(model).to(dtype)
 
 
 def measure_totals(
@@ -57,34 +80,39 @@ def measure_totals(
     device: torch.device,
     barrier: Callable[[], object] = lambda: None,
     slowest: Callable[[list[float]], list[float]] = lambda t: t,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
 ) -> dict[str, Any]:
-    """Whole-model medians: forward and backward seconds per timing batch, AdamW seconds per parameter.
+    """Whole-model medians: forward and backward seconds per timing batch, optimizer seconds per parameter,
+    in the training `precision` and with the runtime's `optimizer`.
 
     The batches take turns, so a slow spell of a shared machine does not bend the fitted slope.
     `barrier` lines concurrent processes up before each pass, as a training step's collectives do,
     and `slowest` turns each rank's time into the slowest rank's (the step's).
     """
+    compute = compute_copy(model, precision)
     inputs = {b: torch.randint(0, vocab_size, (b, seq_len), device=device) for b in TIMING_BATCHES}
     runs: dict[int, list[list[float]]] = {b: [] for b in TIMING_BATCHES}
     for i in range(REPEATS + 1):
         for batch, x in inputs.items():
             barrier()
-            timed = slowest(list(_time_pass(model, x, device)))
+            timed = slowest(list(_time_pass(compute, x, device)))
             if i:  # the first round warms up allocator and kernels
                 runs[batch].append(timed)
     totals: dict[str, Any] = {
         "forward": {str(b): statistics.median(r[0] for r in rs) for b, rs in runs.items()},
         "backward": {str(b): statistics.median(r[1] for r in rs) for b, rs in runs.items()},
     }
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    del compute
+    opt = make_optimizer(model.parameters(), optimizer, device.type)
     opt.step()
     steps = []
     for _ in range(REPEATS):
         barrier()
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         opt.step()
-        _sync(device)
+        sync(device)
         steps += slowest([time.perf_counter() - t0])
     totals["optimizer_s_per_param"] = statistics.median(steps) / sum(p.numel() for p in model.parameters())
     return totals
@@ -112,7 +140,25 @@ def share_by_flops(totals: dict[str, Any], flops: dict[str, float]) -> MeasuredT
 
 
 def measure_times(
-    build: Callable[[str], nn.Module], seq_len: int, vocab_size: int, device: torch.device, flops: dict[str, float]
+    build: Callable[[str], nn.Module],
+    seq_len: int,
+    vocab_size: int,
+    device: torch.device,
+    flops: dict[str, float],
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    world: int = 1,
 ) -> MeasuredTimes:
-    """Time the model in this process on `device`."""
-    return share_by_flops(measure_totals(build(str(device)), seq_len, vocab_size, device), flops)
+    """Time the model in this process on `device`, in the training precision and with its optimizer;
+    on a GPU also what FSDP2 adds per byte for a rank of `world` (fsdp_probe)."""
+    totals = measure_totals(build(str(device)), seq_len, vocab_size, device, precision=precision, optimizer=optimizer)
+    times = share_by_flops(totals, flops)
+    if device.type != "cuda":
+        return times
+    from osdp_planners.fsdp_probe import measure_fsdp_costs  # it imports this module
+
+    torch.cuda.empty_cache()
+    batch = str(TIMING_BATCHES[-1])
+    plain_s = totals["forward"][batch] + totals["backward"][batch]
+    costs = measure_fsdp_costs(build, seq_len, vocab_size, device, world, precision, plain_s)
+    return dataclasses.replace(times, fsdp_s_per_byte=costs)

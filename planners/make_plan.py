@@ -14,16 +14,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from osdp_planners.block_probe import measure_blocks
 from osdp_planners.comm_probe import CommProfile, cached_comm
 from osdp_planners.compute_probe import MeasuredTimes, measure_times
 from osdp_planners.errors import UserError, UserErrors
 from osdp_planners.evaluate import Context, evaluate
-from osdp_planners.model_probe import calibrate, measure_on_ranks
+from osdp_planners.model_probe import Training, calibrate, measure_on_ranks
 from osdp_planners.options import Option
 from osdp_planners.osdp import Choice, best_uniform, infeasible, search_osdp, to_plan
 from osdp_planners.plan import Plan, Strategy
 from osdp_planners.profile import ModelProfile, profile_model
 from osdp_planners.request import PlanRequest
+from osdp_planners.runtime import compute_dtype
 from osdp_planners.time_model import Topology
 from osdp_planners.trace import MODEL_CONTRACT
 from osdp_planners.units import structure_hash
@@ -58,6 +60,18 @@ def _profile(build: Builder, req: PlanRequest, structure: str, dtype: torch.dtyp
     return _profiles[key]
 
 
+WHOLE_MODEL_FRACTION = 0.5  # of the device's memory the whole-model probe's states may take
+PROBE_BYTES_PER_PARAM = 20  # fp32 weights, gradients and two moments, and the bf16 copy with its gradients
+
+
+def _whole_model_fits(build: Builder, device: torch.device) -> bool:
+    """Whether the model is timed whole on `device`; otherwise block by block (block_probe)."""
+    if device.type != "cuda":
+        return True
+    params = sum(p.numel() for p in build("meta").parameters())
+    return PROBE_BYTES_PER_PARAM * params < WHOLE_MODEL_FRACTION * torch.cuda.get_device_properties(device).total_memory
+
+
 def build_context(build: Builder, req: PlanRequest, measure_on: str | None) -> Context:
     """Profile the model (fake tensors) and, where it runs here, time it for real.
 
@@ -65,7 +79,7 @@ def build_context(build: Builder, req: PlanRequest, measure_on: str | None) -> C
     measurements are cached on disk per model and world size, and the context carries them into
     the run's profile.json artifact.
     """
-    dtype = torch.bfloat16 if req.precision == "bf16-mixed" else torch.float32
+    dtype = compute_dtype(req.precision)
     compute_bytes = 2 if req.precision == "bf16-mixed" else 4
     structure = structure_hash(build("meta"))
     profile = _profile(build, req, structure, dtype)
@@ -76,14 +90,21 @@ def build_context(build: Builder, req: PlanRequest, measure_on: str | None) -> C
         if measure_on == "cpu":
             ranks = min(req.world_size, req.workers_per_node)
             key = f"{req.model_label}|{structure}|{dtype}"
-            measured, overheads = measure_on_ranks(build, req.seq_len, req.token_range, flops, ranks, key)
+            train = Training(req.precision, req.optimizer)
+            measured, overheads = measure_on_ranks(build, req.seq_len, req.token_range, flops, ranks, key, train)
             if req.world_size > 1:
                 comm = cached_comm(req.world_size)
                 if overheads is not None:
                     probes = Topology(req.world_size, req.workers_per_node, req.device, comm)
                     comm = calibrate(comm, overheads, profile, probes, compute_bytes, measured.optimizer_s_per_param)
         else:
-            measured = measure_times(build, req.seq_len, req.token_range, torch.device(measure_on), flops)
+            device = torch.device(measure_on)
+            if _whole_model_fits(build, device):
+                measured = measure_times(
+                    build, req.seq_len, req.token_range, device, flops, req.precision, req.optimizer, req.world_size
+                )
+            else:
+                measured = measure_blocks(build, req.seq_len, req.token_range, device, req.precision, req.optimizer)
     return Context(
         profile,
         Topology(req.world_size, req.workers_per_node, req.device, comm),

@@ -22,7 +22,14 @@ import torch.distributed as dist
 from torch import nn
 
 from osdp_planners.comm_probe import STRATEGIES, CommProfile, added_seconds, probe_meshes, shard_uniform
-from osdp_planners.compute_probe import TIMING_BATCHES, MeasuredTimes, forward_loss, measure_totals, share_by_flops
+from osdp_planners.compute_probe import (
+    TIMING_BATCHES,
+    MeasuredTimes,
+    compute_copy,
+    forward_loss,
+    measure_totals,
+    share_by_flops,
+)
 from osdp_planners.local_ranks import cache_file, cached, run_ranks, slowest
 from osdp_planners.options import Option
 from osdp_planners.plan import Strategy
@@ -30,7 +37,7 @@ from osdp_planners.profile import ModelProfile
 from osdp_planners.time_model import Topology, comm_seconds
 from osdp_planners.units import ROOT, find_units
 
-VERSION = 1  # of the cached measurement's format
+VERSION = 2  # of the cached measurement's format (2: timed in the training precision)
 SCALE_RANGE = (0.5, 4.0)  # a calibration outside this is noise, not the model
 
 
@@ -42,29 +49,43 @@ class ModelOverheads:
     optimizer_added_s: dict[str, float]  # to the AdamW step
 
 
+@dataclass(frozen=True)
+class Training:
+    """How the workers train: what the probe must time the model in."""
+
+    precision: str = "fp32"
+    optimizer: str = "adamw"
+
+
 def _overheads(
-    plain: nn.Module, build: Callable[[str], nn.Module], seq_len: int, vocab_size: int, world: int
+    plain: nn.Module, build: Callable[[str], nn.Module], seq_len: int, vocab_size: int, world: int, train: Training
 ) -> dict[str, Any]:
-    """What each uniform strategy adds to `plain` (the model as timed, unsharded)."""
+    """What each uniform strategy adds to `plain` (the model as timed, unsharded), both in the training
+    precision: the casts of FSDP2's mixed-precision policy are among its costs."""
     meshes = probe_meshes(world)
     x = torch.randint(0, vocab_size, (TIMING_BATCHES[-1], seq_len))
+    compute = compute_copy(plain, train.precision)
     out: dict[str, dict[str, float]] = {"step_added_s": {}, "optimizer_added_s": {}}
     for strategy in STRATEGIES:
         sharded = build("cpu")
         units = [[sharded.get_submodule(m) for m in u.modules] for u in find_units(sharded, seq_len) if u.name != ROOT]
-        shard_uniform(sharded, units, strategy, meshes)
-        step, opt = added_seconds(plain, sharded, lambda m: forward_loss(m, x).backward())
+        shard_uniform(sharded, units, strategy, meshes, train.precision)
+        step, opt = added_seconds(
+            compute, sharded, lambda m: forward_loss(m, x).backward(), plain, optimizer=train.optimizer
+        )
         out["step_added_s"][strategy], out["optimizer_added_s"][strategy] = step, opt
     return out
 
 
 def measure_rank(_rank: int, world: int, args: list[str]) -> dict[str, Any]:
     with open(args[0], "rb") as f:
-        build, seq_len, vocab_size = cloudpickle.load(f)
+        build, seq_len, vocab_size, train = cloudpickle.load(f)
     torch.manual_seed(0)
     model = build("cpu")
-    totals = measure_totals(model, seq_len, vocab_size, torch.device("cpu"), dist.barrier, slowest)
-    return {"totals": totals, "overheads": _overheads(model, build, seq_len, vocab_size, world) if world > 1 else None}
+    cpu = torch.device("cpu")
+    totals = measure_totals(model, seq_len, vocab_size, cpu, dist.barrier, slowest, train.precision, train.optimizer)
+    overheads = _overheads(model, build, seq_len, vocab_size, world, train) if world > 1 else None
+    return {"totals": totals, "overheads": overheads}
 
 
 def measure_on_ranks(
@@ -74,11 +95,15 @@ def measure_on_ranks(
     flops: dict[str, float],
     ranks: int,
     model_key: str,
+    train: Training | None = None,
 ) -> tuple[MeasuredTimes, ModelOverheads | None]:
-    """Time the model on `ranks` concurrent CPU processes; cached per model (`model_key`), shape and ranks."""
-    key = hashlib.sha256(f"{model_key}|{seq_len}|{vocab_size}|{TIMING_BATCHES}".encode()).hexdigest()[:16]
+    """Time the model on `ranks` concurrent CPU processes as the workers `train` it; cached per model
+    (`model_key`), shape, training settings and ranks."""
+    train = train or Training()
+    shape = f"{model_key}|{seq_len}|{vocab_size}|{TIMING_BATCHES}|{train.precision}|{train.optimizer}"
+    key = hashlib.sha256(shape.encode()).hexdigest()[:16]
     with tempfile.NamedTemporaryFile(suffix=".pkl") as f:
-        cloudpickle.dump((build, seq_len, vocab_size), f)
+        cloudpickle.dump((build, seq_len, vocab_size, train), f)
         f.flush()
         result = cached(
             cache_file(f"model-v{VERSION}", f"{key}-r{ranks}"),

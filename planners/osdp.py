@@ -325,6 +325,14 @@ def infeasible(ctx: Context, req: PlanRequest) -> NoPlanFits:
     )
 
 
+def _times_from(ctx: Context) -> str:
+    """Planned offline (no device to time on), the plan says its times are the preset's."""
+    if ctx.measured is not None:
+        return "measured"
+    device = ctx.topo.device
+    return f"preset {device.name}: FLOPs at {device.flops_per_s / 1e12:g} TFLOP/s sustained"
+
+
 def to_plan(model: nn.Module, req: PlanRequest, ctx: Context, choice: Choice) -> Plan:
     ev = choice.evaluation
     units = [
@@ -345,7 +353,10 @@ def to_plan(model: nn.Module, req: PlanRequest, ctx: Context, choice: Choice) ->
     return plan.model_copy(
         update={
             "predicted": Predicted(
-                peak_memory_bytes=int(ev.peak_bytes), step_time_s=ev.step_time_s, throughput_samples_per_s=ev.throughput
+                peak_memory_bytes=int(ev.peak_bytes),
+                step_time_s=ev.step_time_s,
+                throughput_samples_per_s=ev.throughput,
+                times_from=_times_from(ctx),
             ),
             "baselines": baselines(ctx, req),
         }

@@ -40,6 +40,8 @@ class Predicted(_Strict):
     peak_memory_bytes: int | None = None
     step_time_s: float | None = None
     throughput_samples_per_s: float | None = None
+    # where compute times came from: "measured" on the pool's device, or "preset <name>" (FLOPs over its rate)
+    times_from: str | None = None
 
 
 class Margin(_Strict):

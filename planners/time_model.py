@@ -7,7 +7,8 @@ On GPUs FSDP2 runs collectives on their own streams, so a unit costs max(compute
 gloo on CPU blocks, so there they add. Each slice of a split operator is an FSDP2 unit of its own:
 one more collective latency per gather and per reduction. The optimizer step scales with the
 parameters a rank owns. On CPU pools FSDP2's fixed costs (hooks, per-tensor copies, DTensor dispatch
-in the optimizer) are measured (see comm_probe) and charged per FSDP2 unit and per tensor.
+in the optimizer) are measured (see comm_probe) and charged per FSDP2 unit and per tensor; on GPUs
+the copies and casts FSDP2 runs on the compute stream are measured per byte (fsdp_probe).
 """
 
 from dataclasses import dataclass
@@ -133,6 +134,8 @@ def unit_time(
 ) -> UnitTime:
     fwd, bwd = compute_seconds(profile, unit, batch, topo, measured)
     compute = fwd + bwd + (fwd if opt.checkpoint else 0.0)
+    if measured is not None:  # FSDP2's copies and casts on a GPU's compute stream (fsdp_probe)
+        compute += measured.fsdp_s_per_byte.get(measured_kind(opt), 0.0) * profile.param_bytes[unit]
     comm = comm_seconds(profile, unit, opt, topo, compute_bytes)
     total = max(compute, comm) if overlap else compute + comm
     return UnitTime(compute, comm, total)

@@ -10,13 +10,13 @@ from forward to backward whatever the strategy, as FSDP2 does by default for the
 from dataclasses import dataclass
 from typing import TypedDict
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from osdp_planners.plan import Plan, Strategy, UnitPlan
+from osdp_planners.runtime import mp_policy
 from osdp_planners.split import SplitLinear, split_linear_in
 from osdp_planners.torch_private import checkpoint, composable_registry, reshards_after_forward
 from osdp_planners.units import find_units, structure_hash
@@ -58,12 +58,6 @@ def _reshard(unit: UnitPlan) -> bool:
     return unit.strategy in (Strategy.ZERO3, Strategy.HSDP)
 
 
-def _policy(precision: str) -> MixedPrecisionPolicy:
-    if precision == "bf16-mixed":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy()
-
-
 def apply_plan(model: nn.Module, plan: Plan, device_type: str, meshes: Meshes | None = None) -> Meshes:
     """Split, checkpoint-wrap and shard every unit as the plan says; the root takes what is left.
 
@@ -83,7 +77,7 @@ def apply_plan(model: nn.Module, plan: Plan, device_type: str, meshes: Meshes | 
             f"{sorted(linears)}: re-plan for this model"
         )
     meshes = meshes or Meshes(device_type, plan.world_size, {})
-    mp = _policy(plan.precision)
+    mp = mp_policy(plan.precision)
     root_unit = None
     for unit in plan.units:
         if unit.modules == [""]:

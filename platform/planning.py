@@ -1,7 +1,6 @@
 """Turn a recipe into a plan: locally (the `plan` command) or in the planner actor on a sample worker."""
 
 import json
-import os
 from dataclasses import fields, is_dataclass
 from typing import Any
 
@@ -9,67 +8,14 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayTaskError
 
-from osdp_planners import PlanRequest, PlanResult, make_plan_for
+from osdp_planners import PlanResult
 from osdp_planners.errors import UserError
-from osdp_planners.hardware import get_preset
 from osdp_platform.cluster import pool_request
-from osdp_platform.data import data_vocab_size
-from osdp_platform.models import build_model
+from osdp_platform.local_plan import plan_recipe as plan_recipe
+from osdp_platform.local_plan import plan_request as plan_request
 from osdp_platform.recipe import Recipe
 
 PLANNER_TIMEOUT_S = 600  # for planning, once the actor is placed (hardware.wait_for_nodes_s until then)
-
-
-def plan_request(recipe: Recipe) -> PlanRequest:
-    hw, t = recipe.hardware, recipe.train
-    return PlanRequest(
-        planner=recipe.planner.name,
-        model_label=recipe.model.label,
-        model_key=recipe.model.model_dump_json(),
-        nodes=hw.nodes,
-        workers_per_node=hw.workers_per_node,
-        device=get_preset(hw.preset),
-        memory_limit_bytes=recipe.memory_limit_bytes,
-        budget_key=recipe.budget_key,
-        margin=recipe.memory_margin,
-        seq_len=recipe.data.seq_len,
-        micro_batch_size=None if t.micro_batch_size == "auto" else t.micro_batch_size,
-        global_batch_size=t.global_batch_size,
-        precision=t.precision,
-        optimizer=t.optimizer,
-        hsdp_group_size=recipe.planner.hsdp_group_size,
-        plan_file=recipe.planner.plan_file,
-        search=recipe.planner.search,
-        token_range=data_vocab_size(recipe.data),  # profile on the ids the tokenizer produces, not only bytes
-    )
-
-
-MEASURE_LIMIT_FRACTION = 0.2  # time the model for real only if its training states take under this share
-
-
-def _host_memory_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def measure_device(recipe: Recipe, param_count: int) -> str | None:
-    """Where this process can time the model for real: CPU pools here, GPU pools on a GPU worker.
-
-    The gate is the memory this process really has, not the recipe's budget: a tight planning
-    budget must not switch measurement off.
-    """
-    states = 16 * param_count  # fp32 params, grads and two AdamW moments
-    if recipe.hardware.accelerator == "cpu":
-        return "cpu" if states < MEASURE_LIMIT_FRACTION * _host_memory_bytes() else None
-    if torch.cuda.is_available() and states < MEASURE_LIMIT_FRACTION * torch.cuda.get_device_properties(0).total_memory:
-        return "cuda"
-    return None
-
-
-def plan_recipe(recipe: Recipe) -> PlanResult:
-    """Plan from the model on meta and fake tensors (any size, no accelerator); time it where it fits."""
-    meta = build_model(recipe.model, device="meta")
-    device = measure_device(recipe, sum(p.numel() for p in meta.parameters()))
-    return make_plan_for(lambda dev: build_model(recipe.model, dev), plan_request(recipe), measure_on=device)
 
 
 @ray.remote

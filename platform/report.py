@@ -88,6 +88,8 @@ def comparison(result: PlanResult) -> str:
         f"predicted: peak {_fmt_bytes(pred.peak_memory_bytes or 0)} of {_fmt_bytes(plan.memory_limit_bytes or 0)}"
         f"{usable}, step {pred.step_time_s or 0:.4f} s, {pred.throughput_samples_per_s or 0:.2f} samples/s"
     )
+    if pred.times_from and pred.times_from != "measured":
+        head += f" (times from the {pred.times_from}, not measured)"
     fitting = {k: b for k, b in plan.baselines.items() if b.fits and b.throughput_samples_per_s}
     if not fitting:
         return f"{head}; no uniform plan fits"

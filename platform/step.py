@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from osdp_planners.loss import lm_loss, logits_of
+from osdp_planners.runtime import make_optimizer
 from osdp_platform.recipe import TrainSection
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # inputs, next-token targets
@@ -37,7 +38,7 @@ def train_step(
 
 
 def build_optimizer(model: nn.Module, train: TrainSection) -> torch.optim.Optimizer:
-    """The optimizer over `model`'s live parameters: build it after sharding, or it updates the wrong tensors."""
-    if train.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=train.lr, weight_decay=train.weight_decay)
-    return torch.optim.AdamW(model.parameters(), lr=train.lr, weight_decay=train.weight_decay)
+    """The optimizer over `model`'s live parameters: build it after sharding, or it updates the wrong tensors.
+    The planner's probe times the same optimizer (osdp_planners.runtime)."""
+    device_type = next(model.parameters()).device.type
+    return make_optimizer(model.parameters(), train.optimizer, device_type, train.lr, train.weight_decay)

@@ -1,5 +1,6 @@
 """`submit`: recipe -> planner actor -> Ray Train FSDP2 workers -> MLflow, with live progress."""
 
+import os
 import statistics
 import threading
 from collections.abc import Callable, Mapping
@@ -23,6 +24,7 @@ from osdp_platform.report import log_report
 from osdp_platform.system_metrics import NodeSamplers
 from osdp_platform.tracking import Metric, RunKind, RunTracker, check_reachable
 from osdp_platform.worker import WorkerConfig, train_loop
+from osdp_platform.worker_env import worker_env
 
 RANK_PEAK_PREFIX = "peak_memory_bytes/rank"  # the worker's per-rank peaks (worker.StepMetrics)
 
@@ -200,11 +202,13 @@ def submit(
             use_gpu=recipe.hardware.accelerator == "gpu",
             resources_per_worker={"CPU": 1, **pool_request(recipe.hardware)},
         ),
-        run_config=RunConfig(
+        # ray.train's RunConfig is Train V2's at run time (worker_runtime_env); mypy reads the V1 class
+        run_config=RunConfig(  # type: ignore[call-arg]
             name=f"{recipe.name}-{tracker.run_id[:8]}",
             storage_path=storage_root(recipe.train),
             checkpoint_config=CheckpointConfig(num_to_keep=recipe.train.checkpoints_to_keep),
             failure_config=FailureConfig(max_failures=recipe.train.max_failures),
+            worker_runtime_env={"env_vars": worker_env(os.environ)},
         ),
     )
     try:

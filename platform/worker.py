@@ -15,7 +15,9 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
+from osdp_planners.hardware import get_preset
 from osdp_planners.local_ranks import pin_to_core
+from osdp_planners.mfu import mfu, model_shape
 from osdp_planners.plan import Plan
 from osdp_platform.checkpoint import CheckpointSaved, restore, save_and_report, should_save
 from osdp_platform.data import BatchSampler, load_tokens
@@ -37,9 +39,12 @@ class StepMetrics:
     peak_memory_bytes: int | None  # measured on chosen steps only (see memory.py)
     rank_step_time_s: list[float] = field(default_factory=list)
     rank_peak_memory_bytes: list[float] = field(default_factory=list)
+    mfu: float | None = None  # GPU runs: per-device model FLOPs over the preset's peak (osdp_planners.mfu)
 
     def as_dict(self) -> dict[str, float]:
         out = {"loss": self.loss, "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s}
+        if self.mfu is not None:
+            out["mfu"] = self.mfu
         if self.peak_memory_bytes is not None:
             out["peak_memory_bytes"] = float(self.peak_memory_bytes)
         if len(self.rank_step_time_s) <= MAX_RANKS_LOGGED:
@@ -135,6 +140,8 @@ def train_loop(config: dict[str, Any], before_step: Callable[[int], None] | None
         sender.send(WorkersStarted(first, world))
     probes = memory_probe_steps(recipe.train.steps, device.type)
     tokens_per_step = plan.global_batch_size * plan.seq_len
+    flops_per_token = model_shape(model).flops_per_token(plan.seq_len)
+    peak_flops = get_preset(recipe.hardware.preset).peak_flops_per_s if device.type == "cuda" else None
 
     for step in range(first, recipe.train.steps):
         if before_step is not None:
@@ -157,6 +164,7 @@ def train_loop(config: dict[str, Any], before_step: Callable[[int], None] | None
             peak_memory_bytes=int(max(peaks)) if peak is not None else None,
             rank_step_time_s=times,
             rank_peak_memory_bytes=peaks if peak is not None else [],
+            mfu=mfu(tokens_per_step / elapsed / world, flops_per_token, peak_flops) if peak_flops else None,
         )
         if sender is not None:
             sender.send(StepReport(step, ended_ms, metrics.as_dict()))

@@ -1,5 +1,8 @@
 """Real Ray Train runs on 2 gloo CPU workers: every uniform planner, and `submit` end to end in MLflow."""
 
+import json
+import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +25,8 @@ from osdp_platform.recipe import Recipe
 from osdp_platform.recipe_loader import load_recipe
 from osdp_platform.step import build_optimizer, train_step
 from osdp_platform.submit import submit
-from osdp_platform.worker import timed_step
+from osdp_platform.worker import timed_step, train_loop
+from osdp_platform.worker_env import WORKER_ENV_DEFAULTS
 
 pytestmark = pytest.mark.heavy
 
@@ -111,13 +115,31 @@ def test_every_planner_trains_with_gradient_accumulation_on_two_gloo_workers(ray
     assert reference[1] < reference[0]
 
 
-def test_submit_tracks_run_in_mlflow(ray_cluster: None, workdir: Path) -> None:
+@dataclass(frozen=True)
+class RecordWorkerEnv:
+    """The worker loop, after writing what each worker's environment holds of the runtime's variables."""
+
+    folder: str
+
+    def __call__(self, config: dict[str, Any]) -> None:
+        import ray.train
+
+        seen = {name: os.environ.get(name) for name in WORKER_ENV_DEFAULTS}
+        (Path(self.folder) / f"env{ray.train.get_context().get_world_rank()}.json").write_text(json.dumps(seen))
+        train_loop(config)
+
+
+def test_submit_tracks_run_in_mlflow(ray_cluster: None, workdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     steps = 4
     recipe = load_recipe(
         RECIPES / "tiny.yaml",
         [f"train.steps={steps}", "data.seq_len=32", f"tracking.uri=sqlite:///{workdir}/mlflow.db"],
     )
-    summary = submit(recipe)
+    monkeypatch.setenv("TORCH_NCCL_AVOID_RECORD_STREAMS", "0")  # the user's own setting wins over the default
+    summary = submit(recipe, train_fn=RecordWorkerEnv(str(workdir)))
+    for rank in range(2):
+        seen = json.loads((workdir / f"env{rank}.json").read_text())
+        assert seen == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "TORCH_NCCL_AVOID_RECORD_STREAMS": "0"}
     client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
     run = client.get_run(summary.run_id)
     assert run.info.status == "FINISHED"

@@ -1,0 +1,183 @@
+"""Compute times of a model too large for one device: each distinct unit module timed alone, then scaled.
+
+The model's forward runs once on meta tensors with a hook before every unit module, which records
+the arguments it is called with (shapes and dtypes only). Each distinct module (same class,
+parameter shapes and argument shapes: the blocks of a decoder are one) is then built alone on the
+device, in the compute dtype, fed random arguments of those shapes, and timed forward and backward
+at both timing batches; every unit is charged its modules' times, and the loss on the logits is timed
+on its own and charged to the last unit. The optimizer's rate per parameter comes from the largest
+distinct module. Nothing larger than one block is ever on the device.
+"""
+
+import copy
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from osdp_planners.compute_probe import REPEATS, TIMING_BATCHES, MeasuredTimes, sync
+from osdp_planners.loss import lm_loss
+from osdp_planners.profile import Linear1
+from osdp_planners.runtime import compute_dtype, make_optimizer
+from osdp_planners.units import ROOT, find_units
+
+Call = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+def _capture(model: nn.Module, paths: list[str], batch: int, seq_len: int) -> dict[str, Call]:
+    """The (args, kwargs) each module in `paths` is first called with, on meta tensors."""
+    calls: dict[str, Call] = {}
+    hooks = []
+    for path in paths:
+
+        def hook(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], path: str = path) -> None:
+            calls.setdefault(path, (args, kwargs))
+
+        hooks.append(model.get_submodule(path).register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            model(torch.zeros(batch, seq_len, dtype=torch.long, device="meta"))
+    finally:
+        for h in hooks:
+            h.remove()
+    return calls
+
+
+def _signature(module: nn.Module, call: Call) -> tuple[object, ...]:
+    leaves = [(tuple(t.shape), t.dtype) for t in tree_flatten(call)[0] if isinstance(t, torch.Tensor)]
+    params = [(n, tuple(p.shape)) for n, p in module.named_parameters()]
+    return type(module).__qualname__, tuple(params), tuple(leaves)
+
+
+def _materialise(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """A copy of `module` on `device` with random weights in the compute dtype (values do not matter to time)."""
+    real = copy.deepcopy(module).to_empty(device=device)
+    with torch.no_grad():
+        for t in [*real.parameters(), *real.buffers()]:
+            t.normal_(0, 0.02) if t.is_floating_point() or t.is_complex() else t.zero_()
+    for p in real.parameters():
+        p.data = p.data.to(dtype)
+    return real
+
+
+def _inputs(call: Call, device: torch.device, dtype: torch.dtype, batch: int, vocab_size: int) -> Call:
+    """Random tensors of the captured shapes; activations (floating, batch-leading) get gradients."""
+
+    def real(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if t.is_floating_point():
+            grad = t.dim() >= 2 and t.shape[0] == batch
+            return torch.randn(t.shape, device=device, dtype=dtype if grad else t.dtype, requires_grad=grad)
+        if t.is_complex():
+            return torch.randn(t.shape, device=device, dtype=t.dtype)
+        return torch.randint(0, vocab_size, t.shape, device=device, dtype=t.dtype)
+
+    args, kwargs = call
+    return tuple(tree_map(real, a) for a in args), {k: tree_map(real, v) for k, v in kwargs.items()}
+
+
+def _time_module(module: nn.Module, call: Call, device: torch.device) -> tuple[float, float]:
+    """Median seconds of forward and of backward (gradient of ones on every output that has one)."""
+    args, kwargs = call
+    fwd, bwd = [], []
+    for i in range(REPEATS + 1):
+        sync(device)
+        t0 = time.perf_counter()
+        out = module(*args, **kwargs)
+        sync(device)
+        t1 = time.perf_counter()
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+        sync(device)
+        if i:
+            fwd.append(t1 - t0)
+            bwd.append(time.perf_counter() - t1)
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def _time_loss(logits: torch.Tensor, targets: torch.Tensor, device: torch.device) -> tuple[float, float]:
+    fwd, bwd = [], []
+    for i in range(REPEATS + 1):
+        sync(device)
+        t0 = time.perf_counter()
+        loss = lm_loss(logits, targets)
+        sync(device)
+        t1 = time.perf_counter()
+        loss.backward()
+        sync(device)
+        if i:
+            fwd.append(t1 - t0)
+            bwd.append(time.perf_counter() - t1)
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def measure_blocks(
+    build: Callable[[str], nn.Module],
+    seq_len: int,
+    vocab_size: int,
+    device: torch.device,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+) -> MeasuredTimes:
+    """Per-unit forward and backward lines and the optimizer's seconds per parameter, block by block."""
+    meta = build("meta")
+    dtype = compute_dtype(precision)
+    units = [u for u in find_units(meta, seq_len) if u.name != ROOT]
+    paths = [p for u in units for p in u.modules]
+    timed: dict[tuple[object, ...], tuple[float, float]] = {}
+    per_batch: dict[int, dict[str, tuple[float, float]]] = {}
+    largest: nn.Module | None = None
+    for batch in TIMING_BATCHES:
+        calls = _capture(meta, paths, batch, seq_len)
+        seconds = {}
+        for path in paths:
+            module = meta.get_submodule(path)
+            key = _signature(module, calls[path])
+            if key not in timed:
+                real = _materialise(module, device, dtype)
+                timed[key] = _time_module(real, _inputs(calls[path], device, dtype, batch, vocab_size), device)
+                if largest is None or sum(p.numel() for p in module.parameters()) > sum(
+                    p.numel() for p in largest.parameters()
+                ):
+                    largest = module
+                del real
+            seconds[path] = timed[key]
+        logits = torch.randn(batch, seq_len, vocab_size, device=device, dtype=dtype, requires_grad=True)
+        targets = torch.randint(0, vocab_size, (batch, seq_len), device=device)
+        seconds["<loss>"] = _time_loss(logits, targets, device)
+        per_batch[batch] = seconds
+    b1, b2 = TIMING_BATCHES
+
+    def line(unit_paths: list[str], kind: int) -> Linear1:
+        at = [sum(per_batch[b][p][kind] for p in unit_paths) for b in (b1, b2)]
+        fit = Linear1.fit(at[0], at[1], b1, b2)
+        return Linear1(max(fit.a, 0.0), max(fit.b, 0.0))
+
+    charged = {u.name: [*u.modules, *(["<loss>"] if u is units[-1] else [])] for u in units}
+    forward = {name: line(ps, 0) for name, ps in charged.items()} | {ROOT: Linear1(0.0, 0.0)}
+    backward = {name: line(ps, 1) for name, ps in charged.items()} | {ROOT: Linear1(0.0, 0.0)}
+    return MeasuredTimes(forward, backward, _optimizer_rate(largest, device, optimizer))
+
+
+def _optimizer_rate(module: nn.Module | None, device: torch.device, optimizer: str) -> float:
+    """Seconds per parameter of the runtime's optimizer stepping one module's fp32 weights."""
+    if module is None:
+        return 0.0
+    real = _materialise(module, device, torch.float32)
+    for p in real.parameters():
+        p.grad = torch.zeros_like(p)
+    opt = make_optimizer(real.parameters(), optimizer, device.type)
+    opt.step()
+    steps = []
+    for _ in range(REPEATS):
+        sync(device)
+        t0 = time.perf_counter()
+        opt.step()
+        sync(device)
+        steps.append(time.perf_counter() - t0)
+    return statistics.median(steps) / max(sum(p.numel() for p in real.parameters()), 1)

@@ -1,0 +1,39 @@
+"""Model FLOPs utilisation: the share of the device's peak a training run turns into model arithmetic.
+
+MFU = (6 N + 12 L d s) x tokens/s / peak FLOP/s, with N the weights of the model's Linear layers, L
+its layers, d its width and s the sequence length (the PaLM paper's count: 6 FLOPs per weight per
+token for forward and backward, and the attention scores and values). Recomputation is not model
+arithmetic, so checkpointing lowers MFU; the peak is the preset's (hardware.py).
+"""
+
+from dataclasses import dataclass
+
+from torch import nn
+
+# (layers, width) attribute names of the model configurations the platform builds: zoo, HF Llama/OPT, GPT-2
+_SHAPE_NAMES = (("n_layers", "dim"), ("num_hidden_layers", "hidden_size"), ("n_layer", "n_embd"))
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    linear_params: int  # N
+    n_layers: int  # L (0 where the model's configuration does not say: the attention term is left out)
+    dim: int  # d
+
+    def flops_per_token(self, seq_len: int) -> float:
+        return 6 * self.linear_params + 12 * self.n_layers * self.dim * seq_len
+
+
+def model_shape(model: nn.Module) -> ModelShape:
+    """N from the model's Linear layers (on any device, meta included), L and d from its `config`."""
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    config = getattr(model, "config", None)
+    for layers, width in _SHAPE_NAMES:
+        if isinstance(getattr(config, layers, None), int) and isinstance(getattr(config, width, None), int):
+            return ModelShape(linear, getattr(config, layers), getattr(config, width))
+    return ModelShape(linear, 0, 0)
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak_flops_per_s: float) -> float:
+    """The fraction of `peak_flops_per_s` that `tokens_per_s` of `flops_per_token` each amounts to."""
+    return tokens_per_s * flops_per_token / peak_flops_per_s
