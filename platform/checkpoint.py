@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from osdp_planners.errors import UserError
 from osdp_planners.plan import Plan
 from osdp_planners.split import SplitLinear
-from osdp_platform.recipe import Recipe, TrainSection
+from osdp_platform.recipe import Recipe
 from osdp_platform.tracking import recorded_checkpoint
 
 
@@ -60,13 +60,6 @@ class ResumePoint:
     path: str
     step: int
     plan: Plan  # the plan the checkpoint was written under
-
-
-def storage_root(train: TrainSection) -> str:
-    """Ray Train's storage_path: the URI as given, a local path made absolute (workers run elsewhere)."""
-    if train.checkpoint_dir and "://" in train.checkpoint_dir:
-        return train.checkpoint_dir.rstrip("/")
-    return str(Path(train.checkpoint_dir or "runs").expanduser().resolve())
 
 
 def _is_complete(location: str) -> bool:

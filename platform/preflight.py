@@ -14,8 +14,6 @@ from pathlib import Path
 from torch import nn
 
 from osdp_planners.errors import UserError
-from osdp_planners.make_plan import read_plan_file
-from osdp_platform.checkpoint import storage_root
 from osdp_platform.data import CORPUS_PATH, TokenFiles, check_text, load_tokens
 from osdp_platform.models import build_model
 from osdp_platform.recipe import HardwareSection, ModelSection, Recipe
@@ -103,12 +101,14 @@ def check_plan_file(recipe: Recipe, model: nn.Module) -> None:
             f"is read only by the manual planner, and planner.name is {planner.name!r}: it would be ignored",
             "set planner.name=manual to train that plan, or remove planner.plan_file",
         )
+    from osdp_planners.make_plan import read_plan_file  # the planner's modules load only for a plan file
+
     read_plan_file(planner.plan_file, model, recipe.hardware.world_size)
 
 
 def check_checkpoint_dir(recipe: Recipe) -> None:
     """A local checkpoint folder can be made: its nearest existing ancestor takes a new folder."""
-    root = storage_root(recipe.train)
+    root = recipe.train.storage_root
     if "://" in root:
         return
     ancestor = Path(root)

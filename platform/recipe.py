@@ -362,6 +362,13 @@ class TrainSection(_Section):
         default=1, ge=-1, description="worker-failure restarts from the last checkpoint; -1 = unlimited"
     )
 
+    @property
+    def storage_root(self) -> str:
+        """Ray Train's storage_path: the URI as given, a local path made absolute (workers run elsewhere)."""
+        if self.checkpoint_dir and "://" in self.checkpoint_dir:
+            return self.checkpoint_dir.rstrip("/")
+        return str(Path(self.checkpoint_dir or "runs").expanduser().resolve())
+
 
 class TrackingSection(_Section):
     uri: str | None = Field(

@@ -15,7 +15,7 @@ from rich.table import Table
 
 from osdp_planners import PlanResult
 from osdp_planners.plan import Plan
-from osdp_platform.checkpoint import check_resumable, find_resume_point, storage_root
+from osdp_platform.checkpoint import check_resumable, find_resume_point
 from osdp_platform.cluster import beside_the_driver, check_cluster, connect, pool_request
 from osdp_platform.inbox import MetricsInbox, MetricsPump
 from osdp_platform.planning import plan_on_sample_worker, profile_json
@@ -194,7 +194,7 @@ def submit(
                 plan=plan,
                 inbox=inbox,
                 resume_from=point.path if point else None,
-                checkpoint_root=storage_root(recipe.train),
+                checkpoint_root=recipe.train.storage_root,
             )
         ),
         scaling_config=ScalingConfig(
@@ -205,7 +205,7 @@ def submit(
         # ray.train's RunConfig is Train V2's at run time (worker_runtime_env); mypy reads the V1 class
         run_config=RunConfig(  # type: ignore[call-arg]
             name=f"{recipe.name}-{tracker.run_id[:8]}",
-            storage_path=storage_root(recipe.train),
+            storage_path=recipe.train.storage_root,
             checkpoint_config=CheckpointConfig(num_to_keep=recipe.train.checkpoints_to_keep),
             failure_config=FailureConfig(max_failures=recipe.train.max_failures),
             worker_runtime_env={"env_vars": worker_env(os.environ)},

@@ -67,7 +67,7 @@ class WorkerConfig(BaseModel):
 
     recipe: Recipe
     plan: Plan
-    checkpoint_root: str  # Ray Train's storage_path (checkpoint.storage_root): where checkpoints go
+    checkpoint_root: str  # Ray Train's storage_path (TrainSection.storage_root): where checkpoints go
     inbox: Any = None  # the driver's MetricsInbox actor handle (inbox.py); None: metrics are not sent
     resume_from: str | None = None  # an earlier run's checkpoint folder (submit --resume)
 
