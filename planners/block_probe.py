@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
 
 from osdp_planners.compute_probe import REPEATS, TIMING_BATCHES, MeasuredTimes, sync
 from osdp_planners.loss import lm_loss
 from osdp_planners.profile import Linear1
 from osdp_planners.runtime import compute_dtype, make_optimizer
+from osdp_planners.torch_private import tree_leaves, tree_map
 from osdp_planners.units import ROOT, find_units
 
 Call = tuple[tuple[Any, ...], dict[str, Any]]
@@ -48,7 +48,7 @@ def _capture(model: nn.Module, paths: list[str], batch: int, seq_len: int) -> di
 
 
 def _signature(module: nn.Module, call: Call) -> tuple[object, ...]:
-    leaves = [(tuple(t.shape), t.dtype) for t in tree_flatten(call)[0] if isinstance(t, torch.Tensor)]
+    leaves = [(tuple(t.shape), t.dtype) for t in tree_leaves(call) if isinstance(t, torch.Tensor)]
     params = [(n, tuple(p.shape)) for n, p in module.named_parameters()]
     return type(module).__qualname__, tuple(params), tuple(leaves)
 
@@ -81,39 +81,38 @@ def _inputs(call: Call, device: torch.device, dtype: torch.dtype, batch: int, vo
     return tuple(tree_map(real, a) for a in args), {k: tree_map(real, v) for k, v in kwargs.items()}
 
 
-def _time_module(module: nn.Module, call: Call, device: torch.device) -> tuple[float, float]:
-    """Median seconds of forward and of backward (gradient of ones on every output that has one)."""
-    args, kwargs = call
+def _median_pass(
+    forward: Callable[[], Any], backward: Callable[[Any], None], device: torch.device
+) -> tuple[float, float]:
+    """Median seconds of `forward()` and of `backward(its output)`, after one warm-up pass."""
     fwd, bwd = [], []
     for i in range(REPEATS + 1):
         sync(device)
         t0 = time.perf_counter()
-        out = module(*args, **kwargs)
+        out = forward()
         sync(device)
         t1 = time.perf_counter()
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+        backward(out)
         sync(device)
         if i:
             fwd.append(t1 - t0)
             bwd.append(time.perf_counter() - t1)
     return statistics.median(fwd), statistics.median(bwd)
+
+
+def _time_module(module: nn.Module, call: Call, device: torch.device) -> tuple[float, float]:
+    """Forward, and backward from a gradient of ones on every output that has one."""
+    args, kwargs = call
+
+    def backward(out: Any) -> None:
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+
+    return _median_pass(lambda: module(*args, **kwargs), backward, device)
 
 
 def _time_loss(logits: torch.Tensor, targets: torch.Tensor, device: torch.device) -> tuple[float, float]:
-    fwd, bwd = [], []
-    for i in range(REPEATS + 1):
-        sync(device)
-        t0 = time.perf_counter()
-        loss = lm_loss(logits, targets)
-        sync(device)
-        t1 = time.perf_counter()
-        loss.backward()
-        sync(device)
-        if i:
-            fwd.append(t1 - t0)
-            bwd.append(time.perf_counter() - t1)
-    return statistics.median(fwd), statistics.median(bwd)
+    return _median_pass(lambda: lm_loss(logits, targets), lambda loss: loss.backward(), device)
 
 
 def measure_blocks(

@@ -25,7 +25,7 @@ from torch.distributed._tools.mod_tracker import ModTracker
 
 # Intercepting every op (live bytes, FLOPs, which modules read a parameter) and flattening outputs.
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 __all__ = [
     "DataDependentOutputException",
@@ -41,6 +41,7 @@ __all__ = [
     "register_fake_backend",
     "reshards_after_forward",
     "tree_leaves",
+    "tree_map",
 ]
 
 
