@@ -6,6 +6,7 @@ combination with itertools.product and knows nothing about the dynamic program i
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -430,3 +431,23 @@ def test_osdp_never_trails_a_fitting_uniform_plan_by_more_than_the_resolution(fa
         if b.fits:
             assert b.throughput_samples_per_s is not None
             assert got * (1 + osdp.NEAR_TIE) >= b.throughput_samples_per_s, (name, got, b.throughput_samples_per_s)
+
+
+@pytest.mark.parametrize("factor", [1.3, 40.0])
+def test_every_plan_records_the_fastest_found_and_what_the_near_tie_rule_cost(factor: float) -> None:
+    ctx = context("llama")
+    need = osdp.smallest_footprint(ctx, zoo_request("llama")).evaluation.peak_bytes
+    req = zoo_request("llama", limit=int(factor * need))
+    simple = make_plan_for(builder("llama", 2), req).plan
+    fastest = make_plan_for(builder("llama", 2), dataclasses.replace(req, prefer_simpler=False)).plan
+    assert simple.search is not None and fastest.search is not None
+    best = fastest.predicted.throughput_samples_per_s
+    assert best is not None and simple.predicted.throughput_samples_per_s is not None
+    assert fastest.search.simplicity_cost == 0.0 and fastest.search.best.throughput_samples_per_s == best
+    for b in fastest.baselines.values():  # without the rule nothing that fits is predicted faster
+        assert not b.fits or (b.throughput_samples_per_s or 0) <= best * (1 + 1e-9)
+    assert simple.search.best.throughput_samples_per_s == pytest.approx(best, rel=1e-9)
+    got = simple.predicted.throughput_samples_per_s
+    assert simple.search.simplicity_cost == pytest.approx(1 - got / best, abs=1e-12)
+    assert got * (1 + osdp.NEAR_TIE) >= best
+    assert ("prefer_simpler" in simple.search.chosen_by) == (got < best)
