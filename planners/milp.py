@@ -132,13 +132,16 @@ def _solve(
     ).tocsr()
     lower = np.concatenate([np.zeros(n), np.full(k + extra, -np.inf)])
     upper = np.concatenate([np.ones(n), levels_upper, np.full(extra, np.inf)])
-    res = milp(
-        np.concatenate(c),
-        integrality=np.concatenate([np.full(n, 0 if relaxed else 1), np.zeros(k + extra)]),
-        bounds=Bounds(lower, upper),
-        constraints=LinearConstraint(a, np.concatenate(lower_rows), np.concatenate(upper_rows)),
-        options={"time_limit": time_limit, "mip_rel_gap": rel_gap, "presolve": True},
-    )
+    for presolve in (True, False):  # HiGHS's presolve has declared feasible programs infeasible: ask again
+        res = milp(
+            np.concatenate(c),
+            integrality=np.concatenate([np.full(n, 0 if relaxed else 1), np.zeros(k + extra)]),
+            bounds=Bounds(lower, upper),
+            constraints=LinearConstraint(a, np.concatenate(lower_rows), np.concatenate(upper_rows)),
+            options={"time_limit": time_limit, "mip_rel_gap": rel_gap, "presolve": presolve},
+        )
+        if res.status != INFEASIBLE:
+            break
     if res.x is None:  # proven infeasible (status 2), or stopped before finding a solution
         return None, np.inf if res.status == INFEASIBLE else -np.inf
     dual = res.fun if relaxed else res.get("mip_dual_bound")

@@ -110,7 +110,7 @@ def test_milp_is_the_brute_force_optimum_of_the_simulated_objective(case: Case) 
         ev = evaluate(ctx, got, BATCH, 1)
         assert ev.peak_bytes <= limit
         assert ev.step_time_s == pytest.approx(expected, rel=1e-6), (case, limit, got)
-        dp = searched(ctx, "dp", options, limit)
+        dp = searched(ctx, "knapsack", options, limit)
         dp_step = np.inf if dp is None else evaluate(ctx, dp, BATCH, 1).step_time_s
         assert dp_step >= expected * (1 - 1e-6)  # the knapsack never beats the optimum of what it bounds
         gains += dp_step > expected * (1 + 1e-6)
@@ -136,10 +136,10 @@ def test_exact_mode_gains_over_the_knapsack_on_the_tiny_recipe() -> None:
     req = zoo_request("llama", 2, seq_len=64, micro_batch=BATCH)
     options = osdp.unit_option_lists(ctx, req)
     least = osdp.smallest_footprint(ctx, req).evaluation.peak_bytes
-    assert searched(ctx, "dp", options, 1.05 * least) is None  # only the exact search finds a plan here
+    assert searched(ctx, "knapsack", options, 1.05 * least) is None  # only the exact search finds a plan here
     assert searched(ctx, "milp", options, 1.05 * least) is not None
     limit = 1.2 * least
-    dp, exact = searched(ctx, "dp", options, limit), searched(ctx, "milp", options, limit)
+    dp, exact = searched(ctx, "knapsack", options, limit), searched(ctx, "milp", options, limit)
     assert dp is not None
     assert exact is not None
     ev_dp, ev_exact = evaluate(ctx, dp, BATCH, 1), evaluate(ctx, exact, BATCH, 1)
@@ -148,7 +148,7 @@ def test_exact_mode_gains_over_the_knapsack_on_the_tiny_recipe() -> None:
     assert ev_exact.throughput > 1.1 * ev_dp.throughput, (ev_exact.throughput, ev_dp.throughput)
 
 
-@pytest.mark.parametrize("mode", ["dp", "milp", "auto"])
+@pytest.mark.parametrize("mode", ["knapsack", "milp", "auto"])
 def test_ties_resolve_to_the_fastest_runtime(mode: str) -> None:
     """Where everything fits, the plan is uniform DP, not HSDP(1) or a mix the time model prices the same."""
     ctx = context("llama", 2, 2, 64)
