@@ -184,7 +184,7 @@ def test_undominated_keeps_exactly_the_options_nothing_beats(seed: int) -> None:
         assert not beats(a, b), (a, b)
 
 
-@pytest.mark.parametrize("case", CASES[:2], ids=str)
+@pytest.mark.parametrize("case", CASES[1:2], ids=str)
 def test_certified_search_is_within_its_gap_and_its_bound_holds(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
     """auto on programs it does not solve exactly (forced here on small ones): its plan within
     CERTIFIED_GAP of brute force, and the bound it proves never below the brute-force optimum."""
