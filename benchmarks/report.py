@@ -9,6 +9,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from search_report import paper_md, search_md
 
 MIB = 2**20
 WIN, TIE = 1.1, 0.97  # the targets: >= 0.97x everywhere, >= 1.1x somewhere between the needs
@@ -359,7 +360,8 @@ def write_report(result: dict[str, Any], md: Path, results_dir: Path, name: str)
         f"![fidelity](results/{name}_fidelity.png)",
         "",
     ]
-    lines += _split(result, results_dir, name) + _paper(result) + _search(result) + _submit(result)
+    paper = paper_md(results_dir) or _paper(result)
+    lines += _split(result, results_dir, name) + paper + _search(result) + search_md(results_dir) + _submit(result)
     lines += ["## Where OSDP does not win, and why", "", WHY, ""]
     md.write_text("\n".join(lines) + _kept_gpu_section(md))
 

@@ -99,18 +99,22 @@ class Bound:
 
     @cached_property
     def _signatures(self) -> dict[str, tuple[object, ...]]:
+        """Per unit, a small key equal for identical units: the shape and profile it is built from,
+        numbered (hashing the nested profile on every lookup would cost seconds at 70B)."""
         p = self.ctx.profile
+        numbers: dict[tuple[object, ...], int] = {}
         out: dict[str, tuple[object, ...]] = {}
         for u, mods in p.by_unit.items():
             lins = tuple(
                 (lin.param_bytes, lin.out_features, next(i for i, m in enumerate(mods) if lin.within(m.path)))
                 for lin in p.linears.get(u, [])
             )
-            out[u] = (
+            shape = (
                 p.param_bytes[u],
                 lins,
                 tuple(tuple(sorted(m.variants.items(), key=lambda kv: (kv[0].split, kv[0].checkpoint))) for m in mods),
             )
+            out[u] = ("class", numbers.setdefault(shape, len(numbers)))
         return out
 
     def signature(self, unit: str) -> tuple[object, ...]:
@@ -148,6 +152,17 @@ class Bound:
             resident = values[:, gaps].max(axis=1) if gaps else np.zeros(len(options))
             self._matrices[key] = (values, np.maximum(resident, 0.0))
         return self._matrices[key]
+
+    def memory_rows(self, unit: str, options: list[Option]) -> np.ndarray:
+        """Per option, what it holds in each slot of its unit and in each buffer it leaves at other
+        units' events: one option holds no more than another at every event of the step if and only
+        if its row is no larger everywhere (the root holds one amount all step)."""
+        if unit not in self.ctx.layout.units:
+            return np.array([[root_bytes(self.ctx.profile, unit, o, self.settings)] for o in options])
+        values, _ = self._slot_matrix(unit, tuple(options))
+        fps = [self.footprint(unit, o) for o in options]
+        buffers = np.array([[f.fw_buffer, f.prefetch, f.reduce_buffer, f.optimizer_temp] for f in fps])
+        return np.hstack([values, buffers])
 
     def candidates(self, unit: str, options: list[Option], times: list[float]) -> list[Candidate]:
         """The knapsack's view of `unit`'s options (call add_neighbour_buffers first)."""

@@ -31,6 +31,7 @@ from osdp_planners.options import Option
 TIME_LIMIT_S = 20.0  # per micro batch; the best plan found by then is used, even if not proven optimal
 OBJECTIVE_SCALE = 1e6
 PEAK_TIE = 1e-8  # weight of the cost when the peak is minimised: only a tie-break between equal peaks
+INFEASIBLE = 2  # scipy.optimize.milp's status for a program proven to have no solution
 ROUNDING_RETRIES = 3  # re-solves with a limit lowered by HiGHS's feasibility error, should rounding break it
 
 
@@ -38,6 +39,7 @@ ROUNDING_RETRIES = 3  # re-solves with a limit lowered by HiGHS's feasibility er
 class Exact:
     choice: list[int]  # per unit, an index into its options
     cost: float  # sum of the chosen costs
+    lower: float  # HiGHS's proven bound: no plan under the limit costs less
 
 
 @dataclass(frozen=True)
@@ -89,9 +91,20 @@ def build_program(
     )
 
 
-def _solve(p: Program, n_units: int, limit: float | None, time_limit: float, scale: float) -> np.ndarray | None:
+def _solve(
+    p: Program,
+    n_units: int,
+    limit: float | None,
+    time_limit: float,
+    scale: float,
+    rel_gap: float = 0.0,
+    relaxed: bool = False,
+) -> tuple[np.ndarray | None, float]:
     """Binaries of the best plan HiGHS finds (optimal unless the time limit stops it): the least cost with
-    every run's level <= limit, or (limit None) the least peak, its cost breaking ties."""
+    every run's level <= limit, or (limit None) the least peak, its cost breaking ties; with the
+    least cost HiGHS proved no plan beats. Relaxed: the linear program (fractional choices), whose
+    optimum bounds every plan's cost from below in a fraction of the time. Without a plan (None), the
+    bound is inf where HiGHS proved that none exists, -inf where it stopped first."""
     n, k = len(p.cost), len(p.run_base)
     runs = np.arange(k)
     rows = [p.deltas.row, runs, runs[1:], k + p.owner]
@@ -119,14 +132,20 @@ def _solve(p: Program, n_units: int, limit: float | None, time_limit: float, sca
     ).tocsr()
     lower = np.concatenate([np.zeros(n), np.full(k + extra, -np.inf)])
     upper = np.concatenate([np.ones(n), levels_upper, np.full(extra, np.inf)])
-    res = milp(
-        np.concatenate(c),
-        integrality=np.concatenate([np.ones(n), np.zeros(k + extra)]),
-        bounds=Bounds(lower, upper),
-        constraints=LinearConstraint(a, np.concatenate(lower_rows), np.concatenate(upper_rows)),
-        options={"time_limit": time_limit, "mip_rel_gap": 0.0, "presolve": True},
-    )
-    return None if res.x is None else res.x[:n]
+    for presolve in (True, False):  # HiGHS's presolve has declared feasible programs infeasible: ask again
+        res = milp(
+            np.concatenate(c),
+            integrality=np.concatenate([np.full(n, 0 if relaxed else 1), np.zeros(k + extra)]),
+            bounds=Bounds(lower, upper),
+            constraints=LinearConstraint(a, np.concatenate(lower_rows), np.concatenate(upper_rows)),
+            options={"time_limit": time_limit, "mip_rel_gap": rel_gap, "presolve": presolve},
+        )
+        if res.status != INFEASIBLE:
+            break
+    if res.x is None:  # proven infeasible (status 2), or stopped before finding a solution
+        return None, np.inf if res.status == INFEASIBLE else -np.inf
+    dual = res.fun if relaxed else res.get("mip_dual_bound")
+    return res.x[:n], (-np.inf if dual is None else float(dual) / seconds)
 
 
 def _choice(p: Program, x: np.ndarray, n_units: int) -> list[int]:
@@ -146,8 +165,23 @@ def least_peak(
     """The choice with the smallest simulated peak (the cheapest among equal peaks): the least memory
     any plan needs at this batch; None if HiGHS finds nothing in the time limit."""
     program = build_program(bound, units, options, costs)
-    found = _solve(program, len(units), None, time_limit, float(max(program.run_base.max(), 1.0)))
-    return None if found is None else _choice(program, found, len(units))
+    x, _ = _solve(program, len(units), None, time_limit, float(max(program.run_base.max(), 1.0)))
+    return None if x is None else _choice(program, x, len(units))
+
+
+def relaxed_lower(
+    bound: Bound,
+    units: list[str],
+    options: dict[str, list[Option]],
+    costs: list[list[float]],
+    limit: float,
+    program: Program | None = None,
+) -> float:
+    """A lower bound on the cost of every plan whose simulated peak is at most `limit`: the linear
+    relaxation's optimum; inf if even fractional choices cannot fit (then no plan does), -inf if HiGHS
+    stopped at its time limit first. `program`: build_program's for these arguments, where the caller has it."""
+    program = program or build_program(bound, units, options, costs)
+    return _solve(program, len(units), limit, TIME_LIMIT_S, limit, relaxed=True)[1]
 
 
 def solve_exact(
@@ -157,24 +191,27 @@ def solve_exact(
     costs: list[list[float]],
     limit: float,
     time_limit: float = TIME_LIMIT_S,
+    rel_gap: float = 0.0,
+    program: Program | None = None,
 ) -> Exact | None:
-    """The least-cost plan whose simulated peak is at most `limit`; None if none exists
-    (or none was found within the time limit)."""
+    """The least-cost plan whose simulated peak is at most `limit` (or one proven within `rel_gap` of
+    it); None if none exists (or none was found within the time limit). `program` as in relaxed_lower."""
     started = time.perf_counter()
-    program = build_program(bound, units, options, costs)
+    program = program or build_program(bound, units, options, costs)
     ctx, s = bound.ctx, bound.settings
     target = limit
     for _ in range(ROUNDING_RETRIES):
-        found = _solve(program, len(units), target, max(time_limit - (time.perf_counter() - started), 0.1), limit)
-        if found is None:
+        left = max(time_limit - (time.perf_counter() - started), 0.1)
+        x, lower = _solve(program, len(units), target, left, limit, rel_gap)
+        if x is None:
             return None
-        choice = _choice(program, found, len(units))
+        choice = _choice(program, x, len(units))
         chosen = {u: options[u][i] for u, i in zip(units, choice, strict=True)}
         peak = simulate(
             ctx.profile, chosen, s.micro_batch_size, ctx.compute_bytes, ctx.optimizer, s.grad_accum_steps, ctx.overlap
         ).peak
         if peak <= limit:
             total = sum(costs[j][i] for j, i in enumerate(choice))
-            return Exact(choice, total)
+            return Exact(choice, total, min(lower, total))
         target -= peak - limit + 1e-9 * limit
     return None

@@ -5,26 +5,34 @@ and checkpointing whose memory fits, then keeps the batch with the highest throu
 not the shortest step, which would always favour the smallest batch.
 """
 
+import dataclasses
+import math
+import time
 from dataclasses import dataclass
 
 from torch import nn
 
+from osdp_planners.batch_search import (
+    AUTO_MILP_BINARIES,
+    AUTO_TIME_LIMIT_S,
+    CERTIFIED_GAP,
+    Instance,
+    candidates,
+    search,
+    search_mode,
+    unit_costs,
+)
 from osdp_planners.errors import NoPlanFits
-from osdp_planners.evaluate import Bound, Context, Evaluation, evaluate, unit_seconds
-from osdp_planners.milp import TIME_LIMIT_S, least_peak, solve_exact
+from osdp_planners.evaluate import Bound, Context, Evaluation, evaluate
+from osdp_planners.milp import TIME_LIMIT_S, least_peak
 from osdp_planners.options import SPLITS, Option, runtime_preference, unit_options
-from osdp_planners.plan import Baseline, Plan, Predicted, Strategy, UnitPlan
+from osdp_planners.plan import Baseline, Plan, Predicted, SearchReport, Strategy, UnitPlan
 from osdp_planners.request import PlanRequest
-from osdp_planners.search import Candidate, least_bound, solve
+from osdp_planners.search import Candidate, least_bound
 from osdp_planners.uniform import group_size, make_plan
 from osdp_planners.units import ROOT
 
 MAX_MICRO_BATCH = 1024
-TIE_BREAK = 1e-8
-# auto runs the exact program up to this many binaries (units x options): measured on Llama-tiny stacks, HiGHS
-# proves the optimum within a second up to ~1,600 binaries, and at 2,000-4,000 can run past a minute
-AUTO_MILP_BINARIES = 1100
-AUTO_TIME_LIMIT_S = 5.0
 GIB = 1024**3
 # a plan the runtime works harder for (more sharding, more FSDP2 units, recomputation) is chosen over a
 # simpler one only if predicted at least this much faster. On CPU gloo pools, predicted gaps of 3%
@@ -40,6 +48,7 @@ class Choice:
     micro_batch_size: int
     grad_accum_steps: int
     evaluation: Evaluation
+    report: SearchReport | None = None  # how the osdp search found it, and why it was chosen
 
 
 def batch_candidates(req: PlanRequest) -> list[tuple[int, int]]:
@@ -69,58 +78,6 @@ def _checkpointable(ctx: Context, unit: str) -> bool:
     return unit in ctx.profile.by_unit and unit != ROOT  # the root is the whole model
 
 
-def _time_key(ctx: Context, bound: Bound, unit: str) -> tuple[object, ...]:
-    """What a unit's step times depend on: identical blocks share them instead of rescoring."""
-    measured = None if ctx.measured is None else (ctx.measured.forward.get(unit), ctx.measured.backward.get(unit))
-    flops = tuple(m.fwd_flops for m in ctx.profile.by_unit.get(unit, []))
-    return bound.signature(unit), ctx.profile.tensor_count[unit], measured, flops
-
-
-def tie_broken(options: list[Option], times: list[float]) -> list[float]:
-    """A unit's step seconds per option plus TIE_BREAK of its slowest per rank in runtime_preference:
-    options the time model prices the same (DP and HSDP over groups of one, often) resolve to the
-    one the runtime executes fastest, in both searches; real differences are far larger."""
-    step = TIE_BREAK * max(times, default=0.0)
-    order = sorted(range(len(options)), key=lambda i: runtime_preference(options[i]))
-    costs = list(times)
-    for rank, i in enumerate(order):
-        costs[i] += rank * step
-    return costs
-
-
-def unit_costs(
-    ctx: Context, bound: Bound, units: list[str], options: dict[str, list[Option]], batch: int, accum: int
-) -> list[list[float]]:
-    """What both searches minimise, per unit and option: evaluate()'s step time is their sum (without
-    the tie-break) plus the plan-independent fixed cost."""
-    times: dict[tuple[object, ...], list[float]] = {}
-    out = []
-    for u in units:
-        key = (_time_key(ctx, bound, u), tuple(options[u]))
-        if key not in times:
-            times[key] = tie_broken(options[u], [unit_seconds(ctx, u, o, batch, accum) for o in options[u]])
-        out.append(times[key])
-    return out
-
-
-def _candidates(
-    bound: Bound, units: list[str], options: dict[str, list[Option]], costs: list[list[float]]
-) -> list[list[Candidate]]:
-    """Every unit's candidates for the knapsack, plus one for the loss and optimizer step's base."""
-    out = [bound.candidates(u, options[u], c) for u, c in zip(units, costs, strict=True)]
-    out.append([Candidate(0.0, bound.global_transient(), 0.0)])
-    return out
-
-
-def search_candidates(
-    ctx: Context, units: list[str], options: dict[str, list[Option]], batch: int, accum: int
-) -> list[list[Candidate]]:
-    """The knapsack's instance at one batch (see _candidates)."""
-    bound = Bound(ctx, batch, accum)
-    bound.add_neighbour_buffers(options)
-    return _candidates(bound, units, options, unit_costs(ctx, bound, units, options, batch, accum))
-
-
 def _use_milp(mode: str, binaries: int) -> bool:
     return mode == "milp" or (mode == "auto" and binaries <= AUTO_MILP_BINARIES)
 
@@ -129,36 +86,20 @@ def _milp_time_limit(mode: str) -> float:
     return TIME_LIMIT_S if mode == "milp" else AUTO_TIME_LIMIT_S
 
 
+def search_candidates(
+    ctx: Context, units: list[str], options: dict[str, list[Option]], batch: int, accum: int
+) -> list[list[Candidate]]:
+    """The knapsack's instance at one batch (see batch_search.candidates)."""
+    inst = Instance(ctx, units, options, batch, accum)
+    return candidates(inst.bound, units, options, inst.costs)
+
+
 def search_batch(
     ctx: Context, mode: str, units: list[str], options: dict[str, list[Option]], batch: int, accum: int
 ) -> list[int] | None:
-    """The cheapest choice (an option index per unit) whose memory fits at one batch, or None.
-
-    dp: the knapsack over the memory bound (milliseconds at any size, never over the limit, but it
-    misses plans the bound over-states). milp: the exact program over the simulated peak (milp.py);
-    the knapsack only where it returns nothing in its time limit. auto: the knapsack, then the
-    program where the knapsack's plan is not already the fastest of all (a certificate: it cannot be
-    beaten) and the program is small enough to solve in about a second (AUTO_MILP_BINARIES,
-    measured), keeping the cheaper of the two.
-    """
-    bound = Bound(ctx, batch, accum)
-    bound.add_neighbour_buffers(options)
-    costs = unit_costs(ctx, bound, units, options, batch, accum)
-
-    def knapsack() -> tuple[float, list[int]] | None:
-        found = solve(_candidates(bound, units, options, costs), ctx.memory_limit)
-        return None if found is None else (found.time_s, found.choice[:-1])
-
-    best = None if mode == "milp" else knapsack()
-    fastest = sum(min(c) for c in costs)
-    if not _use_milp(mode, sum(len(options[u]) for u in units)) or (best is not None and best[0] <= fastest):
-        return None if best is None else best[1]
-    exact = solve_exact(bound, units, options, costs, ctx.memory_limit, _milp_time_limit(mode))
-    if exact is not None and (best is None or exact.cost < best[0]):
-        best = (exact.cost, exact.choice)
-    if best is None and mode == "milp":
-        best = knapsack()
-    return None if best is None else best[1]
+    """The cheapest choice (an option index per unit) whose memory fits at one batch, or None
+    (batch_search.search says how each mode searches)."""
+    return search(Instance(ctx, units, options, batch, accum), search_mode(mode)).choice
 
 
 def unit_option_lists(ctx: Context, req: PlanRequest) -> dict[str, list[Option]]:
@@ -171,28 +112,93 @@ def unit_option_lists(ctx: Context, req: PlanRequest) -> dict[str, list[Option]]
     }
 
 
-def search_osdp(ctx: Context, req: PlanRequest) -> Choice | None:
-    """Best throughput over the batch candidates; None if no plan fits at any batch."""
-    units = [u.name for u in ctx.profile.units]
-    options = unit_option_lists(ctx, req)
-    best: Choice | None = None
+def _search_batches(
+    ctx: Context, req: PlanRequest, mode: str, units: list[str], options: dict[str, list[Option]]
+) -> tuple[Choice | None, float | None]:
+    """The best plan of the search over the batch candidates, and the most samples/s any plan can
+    reach (None: the knapsack bounds nothing). The bounded searches visit batches by their linear
+    relaxation's bound, best first, and skip a batch whose bound cannot beat the plan in hand."""
+    bounded = mode != "knapsack"
+    instances = []
     for batch, accum in batch_candidates(req):
-        found = search_batch(ctx, req.search, units, options, batch, accum)
-        if found is None:
+        inst = Instance(ctx, units, options, batch, accum)
+        if bounded and inst.relaxed == math.inf:  # not even fractional choices fit
             if req.global_batch_size is None:
                 break  # larger batches only need more memory
             continue
-        chosen = {u: options[u][i] for u, i in zip(units, found, strict=True)}
-        ev = evaluate(ctx, chosen, batch, accum)
-        if ev.peak_bytes > ctx.memory_limit:  # both searches promise this; never trust them blindly
+        instances.append(inst)
+    if bounded:
+        instances.sort(key=lambda i: -i.upper(i.relaxed))
+    best: Choice | None = None
+    upper = 0.0
+    for inst in instances:
+        gap = CERTIFIED_GAP if mode == "auto" and inst.binaries > AUTO_MILP_BINARIES else 0.0
+        if bounded and best is not None and inst.upper(inst.relaxed) <= best.evaluation.throughput * (1 + gap):
+            upper = max(upper, inst.upper(inst.relaxed))
+            continue
+        found = search(inst, mode)
+        upper = max(upper, inst.upper(found.lower))
+        if found.choice is None:
+            if req.global_batch_size is None and not bounded:
+                break
+            continue
+        chosen = {u: options[u][i] for u, i in zip(units, found.choice, strict=True)}
+        ev = evaluate(ctx, chosen, inst.batch, inst.accum)
+        if ev.peak_bytes > ctx.memory_limit:  # every search promises this; never trust them blindly
             continue
         if best is None or ev.throughput > best.evaluation.throughput:
-            best = Choice(chosen, batch, accum, ev)
-    # the search's bound is conservative: a uniform plan, or the smallest footprint, may fit when
+            best = Choice(chosen, inst.batch, inst.accum, ev)
+    return best, upper if bounded else None
+
+
+def search_osdp(ctx: Context, req: PlanRequest) -> Choice | None:
+    """Best throughput over the batch candidates; None if no plan fits at any batch."""
+    started = time.perf_counter()
+    mode = search_mode(req.search)
+    units = [u.name for u in ctx.profile.units]
+    options = unit_option_lists(ctx, req)
+    best, upper = _search_batches(ctx, req, mode, units, options)
+    # the knapsack's bound is conservative: a uniform plan, or the smallest footprint, may fit when
     # simulated and beat it
     others = [best_uniform(ctx, req, s) for s in Strategy] + [smallest_footprint(ctx, req)]
     fitting = [c for c in [best, *others] if c is not None and c.evaluation.peak_bytes <= ctx.memory_limit]
-    return prefer_simpler(fitting) if fitting else None
+    if not fitting:
+        return None
+    fastest = max(fitting, key=lambda c: c.evaluation.throughput)
+    chosen = prefer_simpler(fitting) if req.prefer_simpler else fastest
+    report = search_report(mode, time.perf_counter() - started, upper, fastest, chosen, req.prefer_simpler)
+    return dataclasses.replace(chosen, report=report)
+
+
+def search_report(
+    mode: str, seconds: float, upper: float | None, fastest: Choice, chosen: Choice, simpler: bool
+) -> SearchReport:
+    """What the search proved and what the near-tie rule gave up, for the plan and its printout."""
+    best, got = fastest.evaluation.throughput, chosen.evaluation.throughput
+    bounded = upper if upper is not None and 0 < upper < math.inf else None  # inf: a solve stopped unbounded
+    if chosen is fastest or got >= best:
+        why = "the fastest plan found"
+    else:
+        why = (
+            f"prefer_simpler: the simplest plan for the runtime predicted within {NEAR_TIE:.0%} of the fastest "
+            f"(osdp.NEAR_TIE; planner.prefer_simpler=false keeps the fastest)"
+        )
+    return SearchReport(
+        mode=mode,
+        seconds=seconds,
+        throughput_upper_bound=bounded,
+        optimality_gap=None if bounded is None else max(0.0, 1 - best / bounded),
+        best=Predicted(
+            peak_memory_bytes=int(fastest.evaluation.peak_bytes),
+            step_time_s=fastest.evaluation.step_time_s,
+            throughput_samples_per_s=best,
+        ),
+        best_plan=f"{describe(fastest.options)}; micro batch {fastest.micro_batch_size}",
+        chosen_by=why,
+        prefer_simpler=simpler,
+        near_tie=NEAR_TIE,
+        simplicity_cost=max(0.0, 1 - got / best),
+    )
 
 
 def simplicity(choice: Choice) -> tuple[int, int, bool]:
@@ -235,7 +241,7 @@ def smallest_footprint(ctx: Context, req: PlanRequest) -> Choice:
     bound = Bound(ctx, batch, accum)
     bound.add_neighbour_buffers(options)
     costs = unit_costs(ctx, bound, units, options, batch, accum)
-    choices = [least_bound(_candidates(bound, units, options, costs))]
+    choices = [least_bound(candidates(bound, units, options, costs))]
     if _use_milp(req.search, sum(len(options[u]) for u in units)):
         exact = least_peak(bound, units, options, costs, _milp_time_limit(req.search))
         choices += [] if exact is None else [exact]
@@ -359,5 +365,6 @@ def to_plan(model: nn.Module, req: PlanRequest, ctx: Context, choice: Choice) ->
                 times_from=_times_from(ctx),
             ),
             "baselines": baselines(ctx, req),
+            "search": choice.report,
         }
     )

@@ -60,6 +60,26 @@ class Baseline(_Strict):
     throughput_samples_per_s: float | None = None
 
 
+class SearchReport(_Strict):
+    """How the osdp search found its plan and why this one was chosen: the near-tie rule may return a
+    simpler plan than the fastest found, and this says what that cost."""
+
+    mode: str = Field(description="planner.search: auto (certified), knapsack or milp")
+    seconds: float = Field(ge=0, description="wall time of the search, profiling excluded")
+    throughput_upper_bound: float | None = Field(
+        default=None, description="samples/s no plan in the search space can exceed; null: not bounded (knapsack)"
+    )
+    optimality_gap: float | None = Field(
+        default=None, description="proven: 1 - the best plan found's samples/s over the upper bound"
+    )
+    best: Predicted = Field(description="the fastest plan the search found")
+    best_plan: str = Field(description="that plan in a few words")
+    chosen_by: str = Field(description="the rule that chose the plan, with its threshold")
+    prefer_simpler: bool
+    near_tie: float = Field(description="osdp.NEAR_TIE: how much slower a simpler plan may be predicted")
+    simplicity_cost: float = Field(ge=0, description="1 - the chosen plan's samples/s over the best found's")
+
+
 class Plan(_Strict):
     version: int = PLAN_VERSION
     planner: str
@@ -77,6 +97,7 @@ class Plan(_Strict):
     units: list[UnitPlan]
     predicted: Predicted = Field(default_factory=Predicted)
     baselines: dict[str, Baseline] = Field(default_factory=dict)
+    search: SearchReport | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> "Plan":

@@ -23,7 +23,8 @@ class PlanRequest:
     plan_file: str | None = None
     token_range: int = 256  # token ids the data produces (bytes), used to drive profiling runs
     margin: MemoryMargin = field(default_factory=MemoryMargin)
-    search: str = "auto"  # auto | dp | milp: how the osdp planner searches (osdp.search_batch)
+    search: str = "auto"  # auto | knapsack | milp (dp: knapsack's old name): how osdp searches (batch_search.py)
+    prefer_simpler: bool = True  # the near-tie rule (osdp.prefer_simpler); False: the fastest plan found
     model_key: str | None = None  # the model's whole configuration: set, its profile is reused in-process
     budget_key: str = "planner.memory_limit_gb"  # the recipe key the budget came from, for messages
 

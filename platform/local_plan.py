@@ -32,6 +32,7 @@ def plan_request(recipe: Recipe) -> PlanRequest:
         hsdp_group_size=recipe.planner.hsdp_group_size,
         plan_file=recipe.planner.plan_file,
         search=recipe.planner.search,
+        prefer_simpler=recipe.planner.prefer_simpler,
         token_range=data_vocab_size(recipe.data),  # profile on the ids the tokenizer produces, not only bytes
     )
 

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
+from osdp_planners.batch_search import RENAMED, search_mode
 from osdp_planners.hardware import PRESETS
 from osdp_planners.margin import MemoryMargin
 
@@ -307,13 +308,26 @@ class PlannerSection(_Section):
     plan_file: str | None = Field(
         default=None, description=("the plan JSON the manual planner evaluates (e.g. from `osdp-platform plan --out`)")
     )
-    search: Literal["auto", "dp", "milp"] = Field(
+    search: Literal["auto", "knapsack", "milp"] = Field(
         default="auto",
         description=(
-            "how osdp searches: dp (knapsack over a memory bound, any size), milp (exact over the simulated "
-            "peak), auto (dp, then milp where it can gain and the program is small); see The planner"
+            "how osdp searches: auto (certified: prints the optimality gap it proves, within 0.5% or exact), "
+            "knapsack (over a memory bound, milliseconds, leaves memory unused; `dp` is its old name), milp "
+            "(exact over the simulated peak, may take minutes); see The planner"
         ),
     )
+    prefer_simpler: bool = Field(
+        default=True,
+        description=(
+            "return the simplest plan for the runtime predicted within 10% of the fastest (osdp.NEAR_TIE); "
+            "false: the fastest. The plan records both"
+        ),
+    )
+
+    @field_validator("search", mode="before")
+    @classmethod
+    def _renamed_search(cls, value: object) -> object:
+        return search_mode(value) if isinstance(value, str) and value in RENAMED else value
 
     @model_validator(mode="after")
     def _manual_needs_file(self) -> "PlannerSection":

@@ -98,6 +98,28 @@ def comparison(result: PlanResult) -> str:
     return f"{head}; {plan.planner} {ratio:.2f}x the best uniform plan that fits ({name})"
 
 
+def search_summary(plan: Plan) -> str | None:
+    """What the search proved (its optimality gap) and, where the near-tie rule chose a simpler plan,
+    what that cost against the fastest plan found."""
+    r = plan.search
+    if r is None:
+        return None
+    proved = (
+        f"the best plan found is proven within {r.optimality_gap:.2%} of the optimum "
+        f"(no plan exceeds {r.throughput_upper_bound:.2f} samples/s)"
+        if r.optimality_gap is not None and r.throughput_upper_bound is not None
+        else "no optimality bound (the knapsack proves none; planner.search=auto does)"
+    )
+    line = f"search {r.mode} in {r.seconds:.2f} s: {proved}"
+    if r.simplicity_cost > 0:
+        best = r.best.throughput_samples_per_s or 0
+        line += (
+            f"; chosen by {r.chosen_by}, {r.simplicity_cost:.2%} slower than the best found "
+            f"({best:.2f} samples/s: {r.best_plan})"
+        )
+    return line
+
+
 def _draw_memory(ax: Axes, result: PlanResult, measured_peaks: list[float]) -> None:
     plan, ctx = result.plan, result.context
     options = {u.name: Option.of(u) for u in plan.units}
@@ -255,5 +277,8 @@ def log_report(
 def print_report(result: PlanResult, console: Console, png: Path | None) -> None:
     console.print(unit_table(result))
     console.print(comparison(result), markup=False)
+    summary = search_summary(result.plan)
+    if summary is not None:
+        console.print(summary, markup=False)
     if png is not None:
         console.print(f"memory timeline written to {plot(result, png)}", markup=False)

@@ -48,6 +48,13 @@ def test_llama_70b_osdp_on_64_gpus(tmp_path: Path) -> None:
     fitting = [b.throughput_samples_per_s for b in plan.baselines.values() if b.fits]
     # OSDP picks a simpler plan over one predicted less than 10% faster (osdp.NEAR_TIE)
     assert all(plan.predicted.throughput_samples_per_s * 1.10 >= t for t in fitting)
+    # the default search proves its plan within 1% of every plan's bound, and says so
+    assert plan.search is not None and plan.search.optimality_gap is not None
+    assert plan.search.optimality_gap <= 0.01
+    assert plan.search.throughput_upper_bound is not None
+    assert plan.search.best.throughput_samples_per_s is not None
+    assert plan.search.best.throughput_samples_per_s >= (1 - 0.01) * plan.search.throughput_upper_bound
+    assert "proven within" in result.stdout
 
 
 def test_manual_plan_is_evaluated_and_edits_change_predictions(tmp_path: Path) -> None:

@@ -48,6 +48,10 @@ def test_extends_interpolation_and_overrides(tmp_path: Path) -> None:
     assert flatten(recipe)["hardware.nodes"] == "2"
     assert plan_request(recipe).search == "auto"
     assert plan_request(load_recipe(child, ["planner.search=milp"])).search == "milp"  # reaches the planner
+    assert plan_request(recipe).prefer_simpler is True
+    assert plan_request(load_recipe(child, ["planner.prefer_simpler=false"])).prefer_simpler is False
+    with pytest.warns(FutureWarning, match="renamed knapsack"):  # the old name, for one release
+        assert plan_request(load_recipe(child, ["planner.search=dp"])).search == "knapsack"
 
 
 @pytest.mark.parametrize(

@@ -6,12 +6,13 @@ combination with itertools.product and knows nothing about the dynamic program i
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cache
 
 import numpy as np
@@ -437,14 +438,36 @@ def test_a_uniform_planners_advised_minimum_plans_under_that_planner(planner: st
     """The advice names a budget the planner asked can use: its own strategy's footprint, not OSDP's
     (the uniform planners advised OSDP's minimum, at which they failed again), and OSDP's beside it."""
     build = builder("gpt2", 2)
-    req = replace(zoo_request("gpt2", limit=1 << 16), planner=planner)
+    req = dataclasses.replace(zoo_request("gpt2", limit=1 << 16), planner=planner)
     with pytest.raises(NoPlanFits) as err:
         make_plan_for(build, req)
     advised = err.value.advised_gb
     assert f"at least {advised:.4f} GiB" in err.value.fix
-    plan = make_plan_for(build, replace(req, memory_limit_bytes=math.ceil(advised * GIB))).plan
+    plan = make_plan_for(build, dataclasses.replace(req, memory_limit_bytes=math.ceil(advised * GIB))).plan
     assert plan.planner == planner and {u.strategy.value for u in plan.units} == {planner}
     assert plan.predicted.peak_memory_bytes <= advised * GIB
     mixed, _ = gib_after(err.value.fix, "fits from")
     assert mixed <= advised
-    assert make_plan_for(build, replace(req, planner="osdp", memory_limit_bytes=math.ceil(mixed * GIB))).plan
+    assert make_plan_for(
+        build, dataclasses.replace(req, planner="osdp", memory_limit_bytes=math.ceil(mixed * GIB))
+    ).plan
+
+
+@pytest.mark.parametrize("factor", [1.3, 40.0])
+def test_every_plan_records_the_fastest_found_and_what_the_near_tie_rule_cost(factor: float) -> None:
+    ctx = context("llama")
+    need = osdp.smallest_footprint(ctx, zoo_request("llama")).evaluation.peak_bytes
+    req = zoo_request("llama", limit=int(factor * need))
+    simple = make_plan_for(builder("llama", 2), req).plan
+    fastest = make_plan_for(builder("llama", 2), dataclasses.replace(req, prefer_simpler=False)).plan
+    assert simple.search is not None and fastest.search is not None
+    best = fastest.predicted.throughput_samples_per_s
+    assert best is not None and simple.predicted.throughput_samples_per_s is not None
+    assert fastest.search.simplicity_cost == 0.0 and fastest.search.best.throughput_samples_per_s == best
+    for b in fastest.baselines.values():  # without the rule nothing that fits is predicted faster
+        assert not b.fits or (b.throughput_samples_per_s or 0) <= best * (1 + 1e-9)
+    assert simple.search.best.throughput_samples_per_s == pytest.approx(best, rel=1e-9)
+    got = simple.predicted.throughput_samples_per_s
+    assert simple.search.simplicity_cost == pytest.approx(1 - got / best, abs=1e-12)
+    assert got * (1 + osdp.NEAR_TIE) >= best
+    assert ("prefer_simpler" in simple.search.chosen_by) == (got < best)

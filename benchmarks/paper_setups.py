@@ -1,0 +1,138 @@
+"""The OSDP paper's setups, predicted: our OSDP plan against the best uniform plan and against FSDP as the
+paper's research code wrapped it, beside the published ratio.
+
+Plans only (meta device, no Ray, no accelerator). The paper's FSDP baseline wrapped every operator of at
+least 1M parameters (fairscale auto_wrap, opt/train_opt_fsdp.py), finer than our uniform ZeRO-3, whose
+units are blocks; the nearest plan in our space is ZeRO-3 with every unit's Linears split k ways, so the
+`fsdp_like` column is the best such plan over k (evaluated by the same cost model). Writes
+benchmarks/results/paper_setups.json; benchmarks/report.py renders it into RESULTS.md.
+Run: .venv/bin/python benchmarks/paper_setups.py
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from osdp_planners.evaluate import Context, evaluate
+from osdp_planners.options import SPLITS, Option
+from osdp_planners.osdp import batch_candidates
+from osdp_planners.plan import Plan, Strategy
+from osdp_planners.request import PlanRequest
+from osdp_platform.planning import plan_recipe, plan_request
+from osdp_platform.recipe_loader import load_recipe
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results" / "paper_setups.json"
+# label -> recipe, overrides, the published OSDP / FSDP throughput ratio (None: the paper has no such run)
+SETUPS: dict[str, tuple[str, list[str], float | None]] = {
+    "GPT-2 48 layers / hidden 1536, 8 x 8 GB, as the paper ran it (seq 6, 96 per GPU, fp32)": (
+        "paper-gpt2-48l.yaml",
+        [],
+        192.26 / 158.05,
+    ),
+    "OPT-30B width, 8 layers, 8 x 16 GB, as the paper ran it (seq 128 assumed, 2 per GPU, fp32)": (
+        "paper-opt-30b-8l.yaml",
+        [],
+        1261.98 / 453.18,
+    ),
+    "GPT-2 48 layers / hidden 1536, 8 x 8 GB, seq 1024 fp32 batch chosen (recipes/gpt2.yaml)": ("gpt2.yaml", [], None),
+    "OPT-30B width, 8 layers, 8 x 16 GB, seq 1024 bf16 batch chosen (recipes/opt.yaml)": ("opt.yaml", [], None),
+    "Llama-2-7B, 8 x A100-80GB": ("llama.yaml", [], None),
+    "Llama-2-70B, 64 x H100-80GB": ("llama-70b.yaml", ["hardware.preset=h100-80gb"], None),
+}
+
+# why our prediction and the published ratio differ, per recipe (read off the numbers this script writes)
+EXPLAIN = {
+    "paper-gpt2-48l.yaml": (
+        "as the paper ran it, FSDP fits (ZeRO-3 predicted 4.63 GiB; the paper measured 5.66 GB with fairscale "
+        "and its 800 MB overhead): the earlier 'no uniform plan fits' came from our recipe's seq 1024 in fp32, "
+        "not from the memory model; the paper's task has 6-token sequences. What disagrees is the gain: the "
+        "search proves that no plan in our space beats ZeRO-3 by more than 0.2% here (bound 791.99 vs 790.41 "
+        "samples/s), where the paper measured 1.22x. Not resolved: our cost model prices the only lever left "
+        "(ZeRO-2 units skipping the backward gather) at almost nothing for this step, and the paper's baseline "
+        "was fairscale FSDP, whose per-unit costs our FSDP2 model does not describe; a measured run on the "
+        "paper's hardware would decide which"
+    ),
+    "paper-opt-30b-8l.yaml": (
+        "our uniform ZeRO-3 (one unit per block) needs 16.86 GiB and does not fit 16 GiB, while the paper's "
+        "FSDP did (14.8 GB): the paper's FSDP wrapped every Linear of 1M+ parameters on its own, so it gathers "
+        "one operator at a time. The nearest plan of ours (ZeRO-3, Linears split 2) fits at 15.19 GiB; neither "
+        "model is wrong, the baselines differ in granularity. Against it OSDP gains 0.1% (bound proven within "
+        "0.01%), where the paper measured 2.78x. Not resolved: the paper's OSDP also rewrapped the operators "
+        "and the sequence length of its data is our assumption (128); a measured run would decide"
+    ),
+    "gpt2.yaml": (
+        "not the paper's setup: at 1,024-token sequences in fp32, no uniform plan fits 8 GiB after the 5% + "
+        "1 GiB margin, and OSDP fits only by checkpointing; the paper's own run is the first row"
+    ),
+    "opt.yaml": (
+        "the proven gap is 22.7%: in this run (9 runnable jobs on the 2 cores) HiGHS reached auto's 5 s limit "
+        "per micro batch (AUTO_TIME_LIMIT_S) before closing it; the plan is the best found and the bound is "
+        "honest, but this row is not certified within 1%"
+    ),
+    "llama.yaml": (
+        "the near-tie rule returns uniform ZeRO-2, 1.3% slower than the fastest plan found (ZeRO-3, 18.19 "
+        "samples/s): the plan records both; planner.prefer_simpler=false returns the faster one"
+    ),
+}
+
+
+def fsdp_like(ctx: Context, req: PlanRequest) -> dict[str, Any] | None:
+    """The fastest fitting uniform ZeRO-3 plan with every splittable unit's Linears split k ways."""
+    best: dict[str, Any] | None = None
+    for k in SPLITS:
+        opts = {
+            u.name: Option(Strategy.ZERO3, req.world_size, k if ctx.profile.linear_bytes[u.name] else 1)
+            for u in ctx.profile.units
+        }
+        for batch, accum in batch_candidates(req):
+            ev = evaluate(ctx, opts, batch, accum)
+            if ev.peak_bytes <= ctx.memory_limit and (best is None or ev.throughput > best["throughput"]):
+                peak = ev.peak_bytes / 2**30
+                best = {"split": k, "micro_batch": batch, "throughput": ev.throughput, "peak_gib": peak}
+    return best
+
+
+def row(label: str, name: str, overrides: list[str], published: float | None) -> dict[str, Any]:
+    recipe = load_recipe(ROOT / "recipes" / name, ["planner.name=osdp", *overrides])
+    result = plan_recipe(recipe)
+    plan: Plan = result.plan
+    fits = {k: b for k, b in plan.baselines.items() if b.fits and b.throughput_samples_per_s}
+    best = max(fits, key=lambda k: fits[k].throughput_samples_per_s or 0) if fits else None
+    search = plan.search
+    return {
+        "setup": label,
+        "command": f"osdp-platform plan recipes/{name} {' '.join(overrides)}".strip(),
+        "osdp_throughput": plan.predicted.throughput_samples_per_s,
+        "osdp_peak_gib": (plan.predicted.peak_memory_bytes or 0) / 2**30,
+        "osdp_mix": sorted({f"{u.strategy.value}({u.shard_group_size})x{u.split}" for u in plan.units}),
+        "micro_batch": plan.micro_batch_size,
+        "fastest_found": None if search is None else search.best.throughput_samples_per_s,
+        "optimality_gap": None if search is None else search.optimality_gap,
+        "search_s": None if search is None else search.seconds,
+        "best_uniform": best,
+        "best_uniform_throughput": fits[best].throughput_samples_per_s if best else None,
+        "baselines": {k: b.model_dump() for k, b in plan.baselines.items()},
+        "fsdp_like": fsdp_like(result.context, plan_request(recipe)),
+        "published_ratio": published,
+        "explanation": EXPLAIN.get(name),
+    }
+
+
+def main() -> None:
+    rows = [row(label, *spec) for label, spec in SETUPS.items()]
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(rows, indent=2) + "\n")
+    for r in rows:
+        fsdp = r["fsdp_like"]
+        ratio = f"{r['osdp_throughput'] / fsdp['throughput']:.2f}x (split {fsdp['split']})" if fsdp else "none fits"
+        pub = f"{r['published_ratio']:.2f}x" if r["published_ratio"] else "-"
+        print(f"{r['setup']}: OSDP {r['osdp_throughput']:.2f} samples/s, vs FSDP-like {ratio}, published {pub}")
+    print(f"written {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
