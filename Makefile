@@ -10,9 +10,6 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-# mypy sees platform/ and planners/ under their import names through links (see [tool.mypy] in pyproject.toml)
-TYPECHECK_SRC := build/typecheck
-
 .PHONY: run test lint typecheck docs
 run: $(STAMP)
 	$(VENV)/bin/osdp-platform submit recipes/tiny.yaml
@@ -22,11 +19,9 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 typecheck: $(STAMP)
-	@mkdir -p $(TYPECHECK_SRC) && ln -sfn ../../platform $(TYPECHECK_SRC)/osdp_platform \
-		&& ln -sfn ../../planners $(TYPECHECK_SRC)/osdp_planners
 	$(VENV)/bin/mypy
 
-# the README's recipe reference, rendered from platform/recipe.py
+# the README's recipe reference, rendered from platform/osdp_platform/recipe.py
 docs: $(STAMP)
 	$(VENV)/bin/python -m osdp_platform.recipe_docs --write README.md
 

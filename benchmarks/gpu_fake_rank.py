@@ -3,9 +3,9 @@
 Rank 0 of `--world` ranks runs with a fake process group: FSDP2 shards, gathers and frees exactly
 as in the real job, on real CUDA tensors, while collectives move nothing. For each plan (uniform
 DP, uniform ZeRO-3, and a mixed plan: every other unit DP, the rest ZeRO-3), each in a process of
-its own with the workers' allocator settings (platform/worker_env.py), it reports the allocator's
+its own with the workers' allocator settings (platform/osdp_platform/worker_env.py), it reports the allocator's
 allocated and reserved peaks over steady-state steps beside the simulated peak, and how much of
-the GPU margin (planners/margin.py) the reserve-over-allocated gap uses. Imports no Ray or MLflow.
+the GPU margin (planners/osdp_planners/margin.py) the reserve-over-allocated gap uses. Imports no Ray or MLflow.
 Prints a table and writes benchmarks/results/gpu_fake_rank.json. One call on a lent H100/H200:
   .venv/bin/python benchmarks/gpu_fake_rank.py recipes/llama.yaml model.size=1b --world 8
 `--device cpu` runs the same code with torch's memory tracker (no reserve), as a smoke test.

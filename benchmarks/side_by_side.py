@@ -14,7 +14,6 @@ import argparse
 import gc
 import json
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -23,15 +22,13 @@ from typing import Any
 
 import ray
 import torch
+from cells import BUDGET_POINTS, SHAPES, Jobs, plan_cells, recipe_for, same_run, split_plans
 from ray.train import ScalingConfig
 from ray.train.torch import TorchTrainer
 from ray.util.queue import Queue
+from report import write_report
 from rich.console import Console
 from torch import nn
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cells import BUDGET_POINTS, SHAPES, Jobs, plan_cells, recipe_for, same_run, split_plans
-from report import write_report
 
 from osdp_planners.errors import UserError
 from osdp_planners.local_ranks import pin_to_core

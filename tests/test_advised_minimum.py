@@ -2,7 +2,7 @@
 
 For each zoo family's tiny shape: plan under a budget far too small, read the minimum the error
 advises, plan at exactly that budget, and train the plan for real on 2 gloo workers, measuring
-each rank's peak with the platform's own step measurement (platform/memory.py).
+each rank's peak with the platform's own step measurement (platform/osdp_platform/memory.py).
 """
 
 import re

@@ -51,7 +51,7 @@ PARAM_ATOL = 1e-5
 MIXED = (Strategy.ZERO3, Strategy.DDP, Strategy.ZERO2, Strategy.HSDP)
 SPLIT_CASES = {"plain_linears": (2, 4), "hf_like": (2, 4), "root_params_buffer": (4,)}
 
-# Expected units, written out by hand from the rules in planners/units.py.
+# Expected units, written out by hand from the rules in planners/osdp_planners/units.py.
 EXPECTED_UNITS = {
     "moduledict_gpt": [
         "transformer.wte+lm_head",

@@ -1,4 +1,4 @@
-"""A fault inside Ray reaches the CLI as its innermost cause (platform/faults.py)."""
+"""A fault inside Ray reaches the CLI as its innermost cause (platform/osdp_platform/faults.py)."""
 
 import pytest
 import ray

@@ -87,12 +87,9 @@ def test_mfu_matches_the_issues_h200_measurement() -> None:
 
 def test_the_gpu_check_imports_neither_ray_nor_mlflow() -> None:
     """benchmarks/gpu_check.py runs on a node that has torch and the scientific stack only."""
-    code = (
-        "import sys; sys.path.insert(0, 'benchmarks'); import gpu_check; "
-        "print(sorted({m.split('.')[0] for m in sys.modules} & {'ray', 'mlflow'}))"
-    )
-    root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
+    code = "import sys, gpu_check; print(sorted({m.split('.')[0] for m in sys.modules} & {'ray', 'mlflow'}))"
+    benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"  # `python -c` imports from its cwd
+    out = subprocess.run([sys.executable, "-c", code], cwd=benchmarks, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
 

@@ -1,6 +1,6 @@
 """Predicted peak memory vs what one rank really holds, measured with FSDP2 in a fake process group.
 
-The prediction (planners/memory_model.py) is built from a single-process activation profile and a
+The prediction (planners/osdp_planners/memory_model.py) is built from a single-process activation profile and a
 model of FSDP2's buffers; the measurement runs the real FSDP2 code on fake tensors for rank 0 of a
 4-rank job under torch's memory tracker. They share no code beyond the plan.
 """

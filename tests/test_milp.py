@@ -1,4 +1,4 @@
-"""The exact search (planners/milp.py) against brute force over the simulated objective, and ties.
+"""The exact search (planners/osdp_planners/milp.py) against brute force over the simulated objective, and ties.
 
 Pure planner logic (fake-tensor profiles of tiny zoo models, no Ray). The brute force scores every
 combination of options with evaluate() (the simulated peak and the step time the plan reports) and

@@ -2,7 +2,7 @@
 
 A unit is what one `fully_shard` call takes: one module, or a list of modules sharded as one group
 (named by its modules joined with '+', siblings of the first written without their parent).
-Discovery runs the model's forward once on fake tensors (planners/trace.py: which modules run, how
+Discovery runs the model's forward once on fake tensors (planners/osdp_planners/trace.py: which modules run, how
 often, and which modules are active when each parameter is used) and walks the module tree:
 
 - Passed through, never units: the root; containers without a forward (`ModuleList`, `ModuleDict`);
@@ -26,7 +26,7 @@ often, and which modules are active when each parameter is used) and walks the m
   modules needs each of them to run exactly once (FSDP2 reshards a group when all have run).
 
 Units are listed in registration order, nested units before the block around them. A Linear is
-splittable (see planners/split.py) when it is a plain `nn.Linear` that runs and whose untied weight
+splittable (see planners/osdp_planners/split.py) when it is a plain `nn.Linear` that runs and whose untied weight
 and bias are used only inside its own forward.
 """
 

@@ -45,7 +45,7 @@ class Predicted(_Strict):
 
 
 class Margin(_Strict):
-    """The memory kept unplanned (planners/margin.py): usable = budget x (1 - fraction) - reserve."""
+    """The memory kept unplanned (planners/osdp_planners/margin.py): usable = budget x (1 - fraction) - reserve."""
 
     fraction: float = Field(ge=0, lt=1)
     reserve_bytes: int = Field(ge=0)

@@ -116,7 +116,7 @@ class DataSection(_Section):
     source: Literal["synthetic", "corpus", "text_file", "token_files"] = Field(
         default="corpus",
         description="synthetic (generated, learnable byte ids), corpus (bundled public-domain "
-        "text, platform/data/), text_file (`path`), or token_files (`path`: a folder "
+        "text, platform/osdp_platform/data/), text_file (`path`), or token_files (`path`: a folder "
         "written by `osdp-platform prepare`, uint16/uint32 files read through "
         "np.memmap, several files as one data set)",
     )

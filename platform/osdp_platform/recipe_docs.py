@@ -23,7 +23,10 @@ from osdp_platform.recipe import Recipe
 START = "<!-- recipe-reference:start -->"
 END = "<!-- recipe-reference:end -->"
 REGENERATE = "make docs"
-_NOTE = f"<!-- generated from platform/recipe.py: edit the Field descriptions there, then run `{REGENERATE}` -->"
+_NOTE = (
+    "<!-- generated from platform/osdp_platform/recipe.py: "
+    f"edit the Field descriptions there, then run `{REGENERATE}` -->"
+)
 # pydantic's constraint metadata (annotated-types objects): attribute -> comparison, read as `type > bound`
 _LOWER = {"gt": ">", "ge": ">="}
 _UPPER = {"lt": "<", "le": "<="}
