@@ -1,6 +1,8 @@
 """The planner times what the workers run (precision, optimizer), and MFU follows its stated formula."""
 
+import copy
 import dataclasses
+import json
 import subprocess
 import sys
 from collections.abc import Callable
@@ -10,12 +12,13 @@ import pytest
 import torch
 from test_search import builder, context
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from helpers import zoo_request
 from osdp_planners import make_plan_for
 from osdp_planners.block_probe import measure_blocks
 from osdp_planners.compute_probe import MeasuredTimes, compute_copy, measure_totals
-from osdp_planners.fsdp_probe import measure_fsdp_costs
+from osdp_planners.fsdp_probe import fully_shard_alone, measure_fsdp_costs, per_byte_costs
 from osdp_planners.hardware import get_preset
 from osdp_planners.mfu import mfu, model_shape
 from osdp_planners.options import Option
@@ -116,6 +119,31 @@ def test_fsdp2_costs_are_measured_for_a_rank_under_the_fake_group() -> None:
     assert set(costs) == {"ddp", "zero2", "zero3"}
     assert all(c > 0 for c in costs.values())
     assert not torch.distributed.is_initialized(), "the probe's process group is gone"
+
+
+def test_fsdp2_costs_of_one_block_are_charged_per_byte_of_its_global_size() -> None:
+    """A model too large for the device is charged FSDP2's costs measured on its largest block alone: the
+    block as its own unit under each strategy, its bytes counted whole (a DTensor's numel is global)."""
+    block = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    nbytes = sum(p.numel() * 4 for p in block.parameters())
+    x = torch.randn(8, 64, requires_grad=True)
+    seen: list[int] = []
+
+    def sharded(strategy: str, meshes: dict[str, DeviceMesh]) -> nn.Module:
+        module = fully_shard_alone(copy.deepcopy(block), strategy, meshes, "bf16-mixed")
+        seen.append(sum(p.numel() * p.element_size() for p in module.parameters()))
+        return module
+
+    costs = per_byte_costs(sharded, lambda m: m(x).sum().backward(), torch.device("cpu"), 4, plain_s=0.0)
+    assert set(costs) == {"ddp", "zero2", "zero3"} and all(c > 0 for c in costs.values())
+    assert seen == [nbytes] * 3
+    assert not torch.distributed.is_initialized(), "the probe's process group is gone"
+
+
+def test_device_times_survive_the_disk_cache() -> None:
+    """A GPU measurement is cached as JSON and read back unchanged (no second probe for the same model)."""
+    times = MeasuredTimes({"a": Linear1(0.5, 0.25)}, {"a": Linear1(1.0, 0.125)}, 3e-9, {"zero3": 4e-12, "ddp": 3e-12})
+    assert MeasuredTimes.from_dict(json.loads(json.dumps(times.to_dict()))) == times
 
 
 def test_block_by_block_timing_adds_up_to_the_whole_model() -> None:

@@ -5,11 +5,13 @@ the arguments it is called with (shapes and dtypes only). Each distinct module (
 parameter shapes and argument shapes: the blocks of a decoder are one) is then built alone on the
 device, in the compute dtype, fed random arguments of those shapes, and timed forward and backward
 at both timing batches; every unit is charged its modules' times, and the loss on the logits is timed
-on its own and charged to the last unit. The optimizer's rate per parameter comes from the largest
-distinct module. Nothing larger than one block is ever on the device.
+on its own and charged to the last unit. The optimizer's rate per parameter, and on a GPU what FSDP2's
+copies and casts add per byte (fsdp_probe), come from the largest distinct module. Nothing larger
+than one block is ever on the device.
 """
 
 import copy
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -17,8 +19,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from osdp_planners.compute_probe import REPEATS, TIMING_BATCHES, MeasuredTimes, sync
+from osdp_planners.fsdp_probe import fully_shard_alone, per_byte_costs
 from osdp_planners.loss import lm_loss
 from osdp_planners.profile import Linear1
 from osdp_planners.runtime import compute_dtype, make_optimizer
@@ -122,15 +126,18 @@ def measure_blocks(
     device: torch.device,
     precision: str = "fp32",
     optimizer: str = "adamw",
+    world: int = 1,
 ) -> MeasuredTimes:
-    """Per-unit forward and backward lines and the optimizer's seconds per parameter, block by block."""
+    """Per-unit forward and backward lines, the optimizer's seconds per parameter and, on a GPU, what
+    FSDP2 adds per byte for a rank of `world` (fsdp_probe, on the largest distinct module), block by block."""
     meta = build("meta")
     dtype = compute_dtype(precision)
     units = [u for u in find_units(meta, seq_len) if u.name != ROOT]
     paths = [p for u in units for p in u.modules]
     timed: dict[tuple[object, ...], tuple[float, float]] = {}
     per_batch: dict[int, dict[str, tuple[float, float]]] = {}
-    largest: nn.Module | None = None
+    largest = max((meta.get_submodule(p) for p in paths), key=lambda m: sum(q.numel() for q in m.parameters()))
+    largest_call: Call | None = None
     for batch in TIMING_BATCHES:
         calls = _capture(meta, paths, batch, seq_len)
         seconds = {}
@@ -140,11 +147,9 @@ def measure_blocks(
             if key not in timed:
                 real = _materialise(module, device, dtype)
                 timed[key] = _time_module(real, _inputs(calls[path], device, dtype, batch, vocab_size), device)
-                if largest is None or sum(p.numel() for p in module.parameters()) > sum(
-                    p.numel() for p in largest.parameters()
-                ):
-                    largest = module
                 del real
+            if module is largest:
+                largest_call = calls[path]
             seconds[path] = timed[key]
         logits = torch.randn(batch, seq_len, vocab_size, device=device, dtype=dtype, requires_grad=True)
         targets = torch.randint(0, vocab_size, (batch, seq_len), device=device)
@@ -160,13 +165,26 @@ def measure_blocks(
     charged = {u.name: [*u.modules, *(["<loss>"] if u is units[-1] else [])] for u in units}
     forward = {name: line(ps, 0) for name, ps in charged.items()} | {ROOT: Linear1(0.0, 0.0)}
     backward = {name: line(ps, 1) for name, ps in charged.items()} | {ROOT: Linear1(0.0, 0.0)}
-    return MeasuredTimes(forward, backward, _optimizer_rate(largest, device, optimizer))
+    times = MeasuredTimes(forward, backward, _optimizer_rate(largest, device, optimizer))
+    if device.type != "cuda" or largest_call is None:
+        return times
+    plain = timed[_signature(largest, largest_call)]
+    inputs = _inputs(largest_call, device, dtype, b2, vocab_size)
+
+    def sharded(strategy: str, meshes: dict[str, DeviceMesh]) -> nn.Module:
+        return fully_shard_alone(_materialise(largest, device, torch.float32), strategy, meshes, precision)
+
+    def run(module: nn.Module) -> None:
+        args, kwargs = inputs
+        outs = [t for t in tree_leaves(module(*args, **kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+
+    costs = per_byte_costs(sharded, run, device, world, plain[0] + plain[1])
+    return dataclasses.replace(times, fsdp_s_per_byte=costs)
 
 
-def _optimizer_rate(module: nn.Module | None, device: torch.device, optimizer: str) -> float:
+def _optimizer_rate(module: nn.Module, device: torch.device, optimizer: str) -> float:
     """Seconds per parameter of the runtime's optimizer stepping one module's fp32 weights."""
-    if module is None:
-        return 0.0
     real = _materialise(module, device, torch.float32)
     for p in real.parameters():
         p.grad = torch.zeros_like(p)

@@ -36,6 +36,19 @@ class MeasuredTimes:
     # GPU: strategy -> seconds FSDP2's copies and casts add per parameter byte of a unit (fsdp_probe)
     fsdp_s_per_byte: dict[str, float] = field(default_factory=dict)
 
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "MeasuredTimes":
+        """The inverse of `to_dict` (a cached measurement read back)."""
+        return cls(
+            {u: Linear1(**line) for u, line in d["forward"].items()},
+            {u: Linear1(**line) for u, line in d["backward"].items()},
+            d["optimizer_s_per_param"],
+            dict(d["fsdp_s_per_byte"]),
+        )
+
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
