@@ -29,7 +29,6 @@ from torch import nn
 
 from osdp_planners import PlanResult
 from osdp_planners.evaluate import Context, evaluate
-from osdp_planners.margin import DEFAULT_FRACTION
 from osdp_planners.options import Option
 from osdp_planners.plan import Plan, Strategy
 from osdp_planners.torch_private import register_fake_backend
@@ -172,11 +171,13 @@ def main() -> None:
             dist.destroy_process_group()
         return
     plans, ctx = _plans(recipe, args.plans, args.osdp_budget_gb)
+    margin = recipe.memory_margin
     rows: list[dict[str, Any]] = []
     for name, plan in plans.items():
         options = {u.name: Option.of(u) for u in plan.units}
         predicted = evaluate(ctx, options, plan.micro_batch_size, plan.grad_accum_steps).peak_bytes
         measured = _measure_in_child(plan, [*sys.argv[1:], "--name", name])
+        budget = margin.budget_for(predicted)  # the smallest budget this plan is admitted under
         rows.append(
             {
                 "plan": name,
@@ -184,21 +185,30 @@ def main() -> None:
                 "micro_batch": plan.micro_batch_size,
                 "grad_accum": plan.grad_accum_steps,
                 "predicted_peak_bytes": int(predicted),
+                "predicted_reserved_bytes": int(margin.reserved(predicted)),
+                "smallest_budget_bytes": int(budget),
                 **measured,
+                "allocated_within_prediction": measured["allocated_peak_bytes"] <= predicted,
+                "reserved_within_budget": measured["reserved_peak_bytes"] <= budget,
                 "allocated_vs_predicted": measured["allocated_peak_bytes"] / predicted - 1,
                 "reserved_over_allocated": measured["reserved_peak_bytes"] / measured["allocated_peak_bytes"] - 1,
             }
         )
     print(
-        f"{recipe.model.label}, rank 0 of {args.world}, {device.type}; GPU margin default "
-        f"{DEFAULT_FRACTION['gpu']:.0%} + 1 GiB"
+        f"{recipe.model.label}, rank 0 of {args.world}, {device.type}; margin {margin.describe()}; "
+        "budget = the smallest this plan is admitted under"
     )
-    print(f"{'plan':8} {'predicted MiB':>14} {'allocated MiB':>14} {'error':>8} {'reserved MiB':>13} {'reserve +':>10}")
+    print(
+        f"{'plan':8} {'predicted MiB':>14} {'allocated MiB':>14} {'error':>8} {'pred. reserved':>15} "
+        f"{'reserved MiB':>13} {'reserve +':>10} {'budget MiB':>11} {'ok':>4}"
+    )
     for r in rows:
         print(
             f"{r['plan']:8} {r['predicted_peak_bytes'] / MIB:14.1f} {r['allocated_peak_bytes'] / MIB:14.1f} "
-            f"{r['allocated_vs_predicted']:+8.2%} {r['reserved_peak_bytes'] / MIB:13.1f} "
-            f"{r['reserved_over_allocated']:+10.2%}"
+            f"{r['allocated_vs_predicted']:+8.2%} {r['predicted_reserved_bytes'] / MIB:15.1f} "
+            f"{r['reserved_peak_bytes'] / MIB:13.1f} {r['reserved_over_allocated']:+10.2%} "
+            f"{r['smallest_budget_bytes'] / MIB:11.1f} "
+            f"{'yes' if r['allocated_within_prediction'] and r['reserved_within_budget'] else 'NO':>4}"
         )
         for block in r.get("at_peak", []):
             print(f"    {block['mib']:10.1f} MiB  {block.get('blocks', '')!s:>5}  {block['site']}")
