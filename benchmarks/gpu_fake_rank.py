@@ -77,7 +77,11 @@ def _blocks_at_peak(snapshot: dict[str, Any], top: int = 12) -> list[dict[str, A
     for event in snapshot["device_traces"][0]:
         action, addr, size = event["action"], event["addr"], event["size"]
         if action == "alloc":
-            frames = [f for f in event.get("frames", []) if "torch/utils" not in f["filename"]]
+            frames = [
+                f
+                for f in event.get("frames", [])
+                if f["filename"].endswith(".py") and "torch/utils" not in f["filename"]
+            ]
             site = " < ".join(f"{Path(f['filename']).name}:{f['line']}:{f['name']}" for f in frames[:3])
             live[addr] = (size, site)
             total += size
