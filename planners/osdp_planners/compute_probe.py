@@ -35,6 +35,7 @@ class MeasuredTimes:
     optimizer_s_per_param: float  # optimizer step time per parameter owned
     # GPU: strategy -> seconds FSDP2's copies and casts add per parameter byte of a unit (fsdp_probe)
     fsdp_s_per_byte: dict[str, float] = field(default_factory=dict)
+    fsdp_s_per_unit: dict[str, float] = field(default_factory=dict)  # and per FSDP2 unit (block_probe)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -47,6 +48,7 @@ class MeasuredTimes:
             {u: Linear1(**line) for u, line in d["backward"].items()},
             d["optimizer_s_per_param"],
             dict(d["fsdp_s_per_byte"]),
+            dict(d["fsdp_s_per_unit"]),
         )
 
 

@@ -6,14 +6,15 @@ One rank of the pool is run in this process under the fake process group: collec
 so a sharded module's forward+backward over the plain one's is FSDP2's own work. It is measured per
 uniform strategy at the larger timing batch and charged per parameter byte of a unit, since the
 copies and casts grow with the unit's size (without a measurement, nothing). A model that fits the
-device is measured whole; a larger one on its largest block alone (block_probe), whose cost per byte
-was within 3% of the whole model's on an H200 (llama 1b: 3.8e-12 s per byte under ZeRO-3).
+device is measured whole and charged per byte; a larger one on two blocks of different sizes alone
+(block_probe), which give a cost per FSDP2 unit beside the cost per byte.
 """
 
 import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -57,21 +58,46 @@ def _fake_rank(world: int, device: torch.device) -> Iterator[dict[str, DeviceMes
             dist.destroy_process_group()
 
 
-def per_byte_costs(
+@dataclass(frozen=True)
+class Added:
+    """What FSDP2 added to one module's forward+backward under a strategy, and the module's parameter bytes."""
+
+    seconds: float
+    nbytes: int
+
+
+def added_costs(
     sharded: Sharded, run: Callable[[nn.Module], None], device: torch.device, world: int, plain_s: float
-) -> dict[str, float]:
-    """Seconds per parameter byte that each uniform strategy adds to `run` over `plain_s`, for rank 0 of
-    `world`; `sharded` builds the module (fp32 master weights) under a strategy's meshes."""
+) -> dict[str, Added]:
+    """Seconds each uniform strategy adds to `run` over `plain_s`, for rank 0 of `world`; `sharded` builds
+    the module (fp32 master weights) under a strategy's meshes."""
     costs = {}
     with _fake_rank(world, device) as meshes:
         for strategy in STRATEGIES:
             module = sharded(strategy, meshes)
             nbytes = sum(p.numel() * p.element_size() for p in module.parameters())  # a DTensor's numel is global
-            costs[strategy] = max(_median_pass(partial(run, module), device) - plain_s, 0.0) / nbytes
+            costs[strategy] = Added(max(_median_pass(partial(run, module), device) - plain_s, 0.0), nbytes)
             del module
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return costs
+
+
+def per_byte(added: dict[str, Added]) -> dict[str, float]:
+    return {s: a.seconds / a.nbytes for s, a in added.items()}
+
+
+def per_unit_and_byte(small: dict[str, Added], large: dict[str, Added]) -> tuple[dict[str, float], dict[str, float]]:
+    """A fixed cost per FSDP2 unit and a cost per byte, per strategy, through two modules' measurements:
+    a single block's cost per byte misses the hooks and stream waits every unit pays (on an H200 the 7b
+    MLP block's ZeRO-3 cost per byte was a third of the whole 1b model's). Neither is ever negative."""
+    unit, byte = {}, {}
+    for s in small:
+        a, b = small[s], large[s]
+        slope = (b.seconds - a.seconds) / (b.nbytes - a.nbytes) if b.nbytes != a.nbytes else 0.0
+        byte[s] = max(slope, 0.0)
+        unit[s] = max(a.seconds - byte[s] * a.nbytes, 0.0)
+    return unit, byte
 
 
 def measure_fsdp_costs(
@@ -92,7 +118,7 @@ def measure_fsdp_costs(
         units = [[model.get_submodule(m) for m in u.modules] for u in find_units(model, seq_len) if u.name != ROOT]
         return shard_uniform(model, units, strategy, meshes, precision)
 
-    return per_byte_costs(sharded, lambda m: forward_loss(m, x).backward(), device, world, plain_s)
+    return per_byte(added_costs(sharded, lambda m: forward_loss(m, x).backward(), device, world, plain_s))
 
 
 def fully_shard_alone(module: nn.Module, strategy: str, meshes: dict[str, DeviceMesh], precision: str) -> nn.Module:

@@ -63,7 +63,7 @@ def _profile(build: Builder, req: PlanRequest, structure: str, dtype: torch.dtyp
     return _profiles[key]
 
 
-DEVICE_CACHE_VERSION = 1  # of a cached device measurement's format
+DEVICE_CACHE_VERSION = 2  # of a cached device measurement's format (2: FSDP2's cost per unit)
 WHOLE_MODEL_FRACTION = 0.5  # of the device's memory the whole-model probe's states may take
 PROBE_BYTES_PER_PARAM = 20  # fp32 weights, gradients and two moments, and the bf16 copy with its gradients
 
