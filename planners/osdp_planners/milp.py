@@ -52,6 +52,22 @@ class Program:
     deltas: coo_array  # runs x binaries: bytes that start (+) or end (-) at each run
     run_base: np.ndarray  # per run, the highest base level among its events
 
+    def restricted(self, keep: np.ndarray) -> "Program":
+        """The same program over the binaries `keep` marks (a mask): the others are fixed at zero."""
+        cols = np.flatnonzero(keep)
+        return Program(
+            self.cost[cols], self.owner[cols], self.option[cols], self.deltas.tocsc()[:, cols].tocoo(), self.run_base
+        )
+
+
+@dataclass(frozen=True)
+class Relaxation:
+    """The linear relaxation's optimum: fractional choices x (None where there is none) and their cost, a
+    lower bound on every plan's (inf: not even fractional choices fit; -inf: HiGHS stopped first)."""
+
+    x: np.ndarray | None
+    lower: float
+
 
 def build_program(
     bound: Bound, units: list[str], options: dict[str, list[Option]], costs: list[list[float]]
@@ -169,19 +185,19 @@ def least_peak(
     return None if x is None else _choice(program, x, len(units))
 
 
-def relaxed_lower(
+def relaxation(
     bound: Bound,
     units: list[str],
     options: dict[str, list[Option]],
     costs: list[list[float]],
     limit: float,
     program: Program | None = None,
-) -> float:
-    """A lower bound on the cost of every plan whose simulated peak is at most `limit`: the linear
-    relaxation's optimum; inf if even fractional choices cannot fit (then no plan does), -inf if HiGHS
-    stopped at its time limit first. `program`: build_program's for these arguments, where the caller has it."""
+) -> Relaxation:
+    """The linear relaxation under `limit`: its optimum bounds the cost of every plan whose simulated peak
+    is at most `limit` from below (inf: then no plan fits). `program`: build_program's for these
+    arguments, where the caller has it."""
     program = program or build_program(bound, units, options, costs)
-    return _solve(program, len(units), limit, TIME_LIMIT_S, limit, relaxed=True)[1]
+    return Relaxation(*_solve(program, len(units), limit, TIME_LIMIT_S, limit, relaxed=True))
 
 
 def solve_exact(
@@ -195,7 +211,7 @@ def solve_exact(
     program: Program | None = None,
 ) -> Exact | None:
     """The least-cost plan whose simulated peak is at most `limit` (or one proven within `rel_gap` of
-    it); None if none exists (or none was found within the time limit). `program` as in relaxed_lower."""
+    it); None if none exists (or none was found within the time limit). `program` as in relaxation."""
     started = time.perf_counter()
     program = program or build_program(bound, units, options, costs)
     ctx, s = bound.ctx, bound.settings
