@@ -7,9 +7,9 @@ Three ways to search (`planner.search`):
   limit), the knapsack only where it returns nothing;
 - auto (default): certified. Options another one of its unit beats on time and on memory at every
   event are dropped (dominance.py, exact); the linear relaxation of the program bounds every plan's
-  cost from below (and proves that nothing fits where it is infeasible); the knapsack's plan is kept
-  where it meets that bound, then the plan that keeps what the relaxation decided (relax_and_fix.py),
-  and otherwise HiGHS solves the whole program until its plan is proven within CERTIFIED_GAP of the
+  cost from below (and proves that nothing fits where it is infeasible); the plan that keeps what the
+  relaxation decided (relax_and_fix.py) is kept where it meets that bound, then the knapsack's, and
+  otherwise HiGHS solves the whole program until its plan is proven within CERTIFIED_GAP of the
   optimum, or exactly where the program is small (AUTO_MILP_BINARIES).
 Every answer carries the bound, so the planner can print the gap it proved.
 """
@@ -199,9 +199,9 @@ def search(inst: Instance, mode: str) -> Found:
     if lower == math.inf:  # proven: nothing fits
         return Found(None, math.inf, lower)
     gap = 0.0 if inst.binaries <= AUTO_MILP_BINARIES else CERTIFIED_GAP
-    found = _better(inst.knapsack(), Found(None, math.inf, lower))
+    found = inst.fixed(AUTO_TIME_LIMIT_S)
     if found.cost > lower * (1 + gap):
-        found = _better(found, inst.fixed(AUTO_TIME_LIMIT_S))
+        found = _better(found, inst.knapsack())
     if found.cost > lower * (1 + gap):
         found = _better(found, inst.exact(AUTO_TIME_LIMIT_S, gap))
     return found

@@ -32,6 +32,7 @@ TIME_LIMIT_S = 20.0  # per micro batch; the best plan found by then is used, eve
 OBJECTIVE_SCALE = 1e6
 PEAK_TIE = 1e-8  # weight of the cost when the peak is minimised: only a tie-break between equal peaks
 INFEASIBLE = 2  # scipy.optimize.milp's status for a program proven to have no solution
+OTHER = 4  # its status where HiGHS's presolve answered "Not Set": seen on infeasible relaxations (70B, 16 GPUs)
 ROUNDING_RETRIES = 3  # re-solves with a limit lowered by HiGHS's feasibility error, should rounding break it
 
 
@@ -148,7 +149,8 @@ def _solve(
     ).tocsr()
     lower = np.concatenate([np.zeros(n), np.full(k + extra, -np.inf)])
     upper = np.concatenate([np.ones(n), levels_upper, np.full(extra, np.inf)])
-    for presolve in (True, False):  # HiGHS's presolve has declared feasible programs infeasible: ask again
+    # HiGHS's presolve has declared feasible programs infeasible, and left infeasible ones unanswered: ask again
+    for presolve in (True, False):
         res = milp(
             np.concatenate(c),
             integrality=np.concatenate([np.full(n, 0 if relaxed else 1), np.zeros(k + extra)]),
@@ -156,7 +158,7 @@ def _solve(
             constraints=LinearConstraint(a, np.concatenate(lower_rows), np.concatenate(upper_rows)),
             options={"time_limit": time_limit, "mip_rel_gap": rel_gap, "presolve": presolve},
         )
-        if res.status != INFEASIBLE:
+        if res.status not in (INFEASIBLE, OTHER):
             break
     if res.x is None:  # proven infeasible (status 2), or stopped before finding a solution
         return None, np.inf if res.status == INFEASIBLE else -np.inf
