@@ -3,7 +3,8 @@ A100-80GB and on 64 of H100-80GB, against the exact search (`planner.search=milp
 
 Per setup: profiling once, then `search_osdp` with the default search (auto) and with milp, each timed; the
 plan's predicted samples/s, the fastest plan each found, the optimality gap each proved, and auto's
-shortfall against milp's plan. Plans only (meta device). Writes benchmarks/results/search_70b.json.
+shortfall against milp's plan, and the machine's load average as each search started (timings on a shared
+machine move with it). Plans only (meta device). Writes benchmarks/results/search_70b.json.
 Run: .venv/bin/python benchmarks/search_70b.py [--skip-milp]
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -33,15 +35,17 @@ SETUPS = {
 
 
 def run(ctx: Any, req: Any, mode: str) -> dict[str, Any]:
+    load = os.getloadavg()[0]
     t = time.perf_counter()
     choice = osdp.search_osdp(ctx, dataclasses.replace(req, search=mode))
     seconds = time.perf_counter() - t
     if choice is None or choice.report is None:
-        return {"mode": mode, "seconds": seconds, "fits": False}
+        return {"mode": mode, "seconds": seconds, "load_average": load, "fits": False}
     r = choice.report
     return {
         "mode": mode,
         "seconds": seconds,
+        "load_average": load,
         "fits": True,
         "throughput": choice.evaluation.throughput,
         "peak_gib": choice.evaluation.peak_bytes / 2**30,

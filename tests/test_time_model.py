@@ -8,6 +8,7 @@ from test_search import builder, context
 
 from osdp_planners.comm_probe import STRATEGIES, CommProfile
 from osdp_planners.compute_probe import MeasuredTimes
+from osdp_planners.hardware import get_preset
 from osdp_planners.model_probe import ModelOverheads, calibrate, measure_on_ranks
 from osdp_planners.options import Option
 from osdp_planners.plan import Strategy
@@ -50,6 +51,20 @@ def test_hsdp_over_groups_of_one_is_charged_as_replication() -> None:
         dp = comm_seconds(ctx.profile, unit.name, Option(Strategy.DDP, 1), topo, 4)
         assert comm_seconds(ctx.profile, unit.name, Option(Strategy.HSDP, 1), topo, 4) == pytest.approx(dp)
         assert comm_seconds(ctx.profile, unit.name, Option(Strategy.HSDP, 2), topo, 4) > dp
+
+
+def test_zero3_gathers_its_parameters_twice_where_zero2_gathers_them_once() -> None:
+    """On a preset (nothing measured) ZeRO-3 all-gathers in forward and again in backward: one more gather of
+    the whole unit than ZeRO-2, in bytes as well as in latency (OSDP.md: 3x the bytes of DP's 2x)."""
+    ctx = context("llama")
+    topo = Topology(4, 4, get_preset("a100-80gb"))
+    link = topo.link(4)
+    for unit in ctx.profile.units:
+        zero2 = comm_seconds(ctx.profile, unit.name, Option(Strategy.ZERO2, 4), topo, 2)
+        zero3 = comm_seconds(ctx.profile, unit.name, Option(Strategy.ZERO3, 4), topo, 2)
+        gathered = ctx.profile.param_bytes[unit.name] / 2  # bf16 compute copies of fp32 parameters
+        one_gather = link.latency_s + gathered * 3 / 4 / link.bandwidth_bytes_per_s
+        assert zero3 - zero2 == pytest.approx(one_gather, rel=1e-9), unit.name
 
 
 @pytest.mark.parametrize("added_ms", [(20.0, 30.0, 45.0), (30.0, 50.0, 90.0)])

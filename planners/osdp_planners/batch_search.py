@@ -7,9 +7,10 @@ Three ways to search (`planner.search`):
   limit), the knapsack only where it returns nothing;
 - auto (default): certified. Options another one of its unit beats on time and on memory at every
   event are dropped (dominance.py, exact); the linear relaxation of the program bounds every plan's
-  cost from below (and proves that nothing fits where it is infeasible); the knapsack's plan is kept
-  where it meets that bound, and otherwise HiGHS solves the program until its plan is proven within
-  CERTIFIED_GAP of the optimum, or exactly where the program is small (AUTO_MILP_BINARIES).
+  cost from below (and proves that nothing fits where it is infeasible); the plan that keeps what the
+  relaxation decided (relax_and_fix.py) is kept where it meets that bound, then the knapsack's, and
+  otherwise HiGHS solves the whole program until its plan is proven within CERTIFIED_GAP of the
+  optimum, or exactly where the program is small (AUTO_MILP_BINARIES).
 Every answer carries the bound, so the planner can print the gap it proved.
 """
 
@@ -20,8 +21,9 @@ from functools import cached_property
 
 from osdp_planners.dominance import prune
 from osdp_planners.evaluate import Bound, Context, unit_seconds
-from osdp_planners.milp import TIME_LIMIT_S, Program, build_program, relaxed_lower, solve_exact
+from osdp_planners.milp import TIME_LIMIT_S, Exact, Program, Relaxation, build_program, relaxation, solve_exact
 from osdp_planners.options import Option, runtime_preference
+from osdp_planners.relax_and_fix import fix_and_solve
 from osdp_planners.search import Candidate, solve
 
 TIE_BREAK = 1e-8
@@ -139,11 +141,15 @@ class Instance:
         return build_program(self.bound, self.units, options, costs)
 
     @cached_property
+    def relaxation(self) -> Relaxation:
+        options, costs, _ = self.pruned
+        return relaxation(self.bound, self.units, options, costs, self.ctx.memory_limit, self.program)
+
+    @property
     def relaxed(self) -> float:
         """The linear relaxation's least cost (inf where not even fractional choices fit, -inf where HiGHS
         ran out of time)."""
-        options, costs, _ = self.pruned
-        return relaxed_lower(self.bound, self.units, options, costs, self.ctx.memory_limit, self.program)
+        return self.relaxation.lower
 
     def knapsack(self) -> Found:
         found = solve(candidates(self.bound, self.units, self.options, self.costs), self.ctx.memory_limit)
@@ -153,12 +159,24 @@ class Instance:
 
     def exact(self, time_limit: float, rel_gap: float) -> Found:
         """The program over the undominated options; indices mapped back to the full lists."""
-        options, costs, kept = self.pruned
+        options, costs, _ = self.pruned
         limit = self.ctx.memory_limit
         found = solve_exact(self.bound, self.units, options, costs, limit, time_limit, rel_gap, self.program)
-        if found is None:
-            return Found(None, math.inf, -math.inf)
-        return Found([k[i] for k, i in zip(kept, found.choice, strict=True)], found.cost, found.lower)
+        return self._found(found, found.lower if found else -math.inf)
+
+    def fixed(self, time_limit: float) -> Found:
+        """The plan that keeps every unit the relaxation decided (relax_and_fix.py), bounded by the relaxation."""
+        options, costs, _ = self.pruned
+        limit = self.ctx.memory_limit
+        found = fix_and_solve(self.bound, self.units, options, costs, limit, self.program, self.relaxation, time_limit)
+        return self._found(found, self.relaxed)
+
+    def _found(self, exact: Exact | None, lower: float) -> Found:
+        """A solve's plan with its indices mapped back to the full option lists."""
+        if exact is None:
+            return Found(None, math.inf, lower)
+        kept = self.pruned[2]
+        return Found([k[i] for k, i in zip(kept, exact.choice, strict=True)], exact.cost, lower)
 
     @property
     def binaries(self) -> int:
@@ -181,7 +199,9 @@ def search(inst: Instance, mode: str) -> Found:
     if lower == math.inf:  # proven: nothing fits
         return Found(None, math.inf, lower)
     gap = 0.0 if inst.binaries <= AUTO_MILP_BINARIES else CERTIFIED_GAP
-    found = _better(inst.knapsack(), Found(None, math.inf, lower))
-    if found.cost <= lower * (1 + gap):
-        return found
-    return _better(found, inst.exact(AUTO_TIME_LIMIT_S, gap))
+    found = inst.fixed(AUTO_TIME_LIMIT_S)
+    if found.cost > lower * (1 + gap):
+        found = _better(found, inst.knapsack())
+    if found.cost > lower * (1 + gap):
+        found = _better(found, inst.exact(AUTO_TIME_LIMIT_S, gap))
+    return found

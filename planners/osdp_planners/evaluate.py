@@ -58,6 +58,27 @@ class Context:
     def settings(self, batch: int, accum: int) -> Settings:
         return Settings(batch, accum, self.compute_bytes, self.opt_states, self.overlap)
 
+    @cached_property
+    def signatures(self) -> dict[str, tuple[object, ...]]:
+        """Per unit, a small key equal for identical units: the shape and profile it is built from,
+        numbered (hashing the nested profile on every lookup would cost seconds at 70B); once per
+        context, since every Bound and evaluate() asks."""
+        p = self.profile
+        numbers: dict[tuple[object, ...], int] = {}
+        out: dict[str, tuple[object, ...]] = {}
+        for u, mods in p.by_unit.items():
+            lins = tuple(
+                (lin.param_bytes, lin.out_features, next(i for i, m in enumerate(mods) if lin.within(m.path)))
+                for lin in p.linears.get(u, [])
+            )
+            shape = (
+                p.param_bytes[u],
+                lins,
+                tuple(tuple(sorted(m.variants.items(), key=lambda kv: (kv[0].split, kv[0].checkpoint))) for m in mods),
+            )
+            out[u] = ("class", numbers.setdefault(shape, len(numbers)))
+        return out
+
 
 @dataclass(frozen=True)
 class Evaluation:
@@ -97,28 +118,8 @@ class Bound:
             self._footprints[key] = footprint(self.ctx.profile, self.ctx.layout, unit, opt, self.settings)
         return self._footprints[key]
 
-    @cached_property
-    def _signatures(self) -> dict[str, tuple[object, ...]]:
-        """Per unit, a small key equal for identical units: the shape and profile it is built from,
-        numbered (hashing the nested profile on every lookup would cost seconds at 70B)."""
-        p = self.ctx.profile
-        numbers: dict[tuple[object, ...], int] = {}
-        out: dict[str, tuple[object, ...]] = {}
-        for u, mods in p.by_unit.items():
-            lins = tuple(
-                (lin.param_bytes, lin.out_features, next(i for i, m in enumerate(mods) if lin.within(m.path)))
-                for lin in p.linears.get(u, [])
-            )
-            shape = (
-                p.param_bytes[u],
-                lins,
-                tuple(tuple(sorted(m.variants.items(), key=lambda kv: (kv[0].split, kv[0].checkpoint))) for m in mods),
-            )
-            out[u] = ("class", numbers.setdefault(shape, len(numbers)))
-        return out
-
     def signature(self, unit: str) -> tuple[object, ...]:
-        return self._signatures.get(unit, (unit,))  # the root runs no module of its own: it is unique
+        return self.ctx.signatures.get(unit, (unit,))  # the root runs no module of its own: it is unique
 
     def add_neighbour_buffers(self, options: dict[str, list[Option]]) -> None:
         """The most each unit's buffers can add at other units' events, over the options it may take."""

@@ -79,6 +79,22 @@ class Layout:
     prefetch: dict[str, tuple[int, int]]  # its backward all-gather, issued by the unit before it
     reduce_buffer: dict[str, tuple[int, int]]  # after its reduce-scatter, until the next one
 
+    @cached_property
+    def slot_events(self) -> dict[str, tuple[list[int], list[int]]]:
+        """Per unit, the first and the last event of each of its slots (see Footprint): the searches map
+        every footprint segment of every unit through it, hundreds of thousands of times at 70B."""
+        n = len(self.events)
+        out = {}
+        for unit, ev in self.units.items():
+            anchors = ev.anchors
+            slots = range(2 * len(anchors) + 1)
+            first = [anchors[p // 2] if p % 2 else (anchors[p // 2 - 1] + 1 if p else 0) for p in slots]
+            last = [
+                anchors[p // 2] if p % 2 else (anchors[p // 2] - 1 if p // 2 < len(anchors) else n - 1) for p in slots
+            ]
+            out[unit] = (first, last)
+        return out
+
     @classmethod
     def of(cls, profile: ModelProfile) -> "Layout":
         mods = profile.modules
@@ -265,15 +281,8 @@ def base_levels(profile: ModelProfile, layout: Layout, s: Settings) -> np.ndarra
 
 def slot_range(layout: Layout, unit: str, a: int, z: int) -> tuple[int, int]:
     """Event indices (first, last) of the slots a..z of `unit` (see Footprint); first > last: none."""
-    anchors = layout.units[unit].anchors
-
-    def first_event(p: int) -> int:
-        return anchors[p // 2] if p % 2 else (anchors[p // 2 - 1] + 1 if p else 0)
-
-    def last_event(p: int) -> int:
-        return anchors[p // 2] if p % 2 else (anchors[p // 2] - 1 if p // 2 < len(anchors) else len(layout.events) - 1)
-
-    return first_event(a), last_event(z)
+    first, last = layout.slot_events[unit]
+    return first[a], last[z]
 
 
 def global_segments(layout: Layout, unit: str, fp: Footprint) -> Iterable[tuple[int, int, float]]:

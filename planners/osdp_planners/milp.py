@@ -32,6 +32,7 @@ TIME_LIMIT_S = 20.0  # per micro batch; the best plan found by then is used, eve
 OBJECTIVE_SCALE = 1e6
 PEAK_TIE = 1e-8  # weight of the cost when the peak is minimised: only a tie-break between equal peaks
 INFEASIBLE = 2  # scipy.optimize.milp's status for a program proven to have no solution
+OTHER = 4  # its status where HiGHS's presolve answered "Not Set": seen on infeasible relaxations (70B, 16 GPUs)
 ROUNDING_RETRIES = 3  # re-solves with a limit lowered by HiGHS's feasibility error, should rounding break it
 
 
@@ -51,6 +52,22 @@ class Program:
     option: np.ndarray  # per binary, the index into its unit's options
     deltas: coo_array  # runs x binaries: bytes that start (+) or end (-) at each run
     run_base: np.ndarray  # per run, the highest base level among its events
+
+    def restricted(self, keep: np.ndarray) -> "Program":
+        """The same program over the binaries `keep` marks (a mask): the others are fixed at zero."""
+        cols = np.flatnonzero(keep)
+        return Program(
+            self.cost[cols], self.owner[cols], self.option[cols], self.deltas.tocsc()[:, cols].tocoo(), self.run_base
+        )
+
+
+@dataclass(frozen=True)
+class Relaxation:
+    """The linear relaxation's optimum: fractional choices x (None where there is none) and their cost, a
+    lower bound on every plan's (inf: not even fractional choices fit; -inf: HiGHS stopped first)."""
+
+    x: np.ndarray | None
+    lower: float
 
 
 def build_program(
@@ -132,7 +149,8 @@ def _solve(
     ).tocsr()
     lower = np.concatenate([np.zeros(n), np.full(k + extra, -np.inf)])
     upper = np.concatenate([np.ones(n), levels_upper, np.full(extra, np.inf)])
-    for presolve in (True, False):  # HiGHS's presolve has declared feasible programs infeasible: ask again
+    # HiGHS's presolve has declared feasible programs infeasible, and left infeasible ones unanswered: ask again
+    for presolve in (True, False):
         res = milp(
             np.concatenate(c),
             integrality=np.concatenate([np.full(n, 0 if relaxed else 1), np.zeros(k + extra)]),
@@ -140,7 +158,7 @@ def _solve(
             constraints=LinearConstraint(a, np.concatenate(lower_rows), np.concatenate(upper_rows)),
             options={"time_limit": time_limit, "mip_rel_gap": rel_gap, "presolve": presolve},
         )
-        if res.status != INFEASIBLE:
+        if res.status not in (INFEASIBLE, OTHER):
             break
     if res.x is None:  # proven infeasible (status 2), or stopped before finding a solution
         return None, np.inf if res.status == INFEASIBLE else -np.inf
@@ -169,19 +187,19 @@ def least_peak(
     return None if x is None else _choice(program, x, len(units))
 
 
-def relaxed_lower(
+def relaxation(
     bound: Bound,
     units: list[str],
     options: dict[str, list[Option]],
     costs: list[list[float]],
     limit: float,
     program: Program | None = None,
-) -> float:
-    """A lower bound on the cost of every plan whose simulated peak is at most `limit`: the linear
-    relaxation's optimum; inf if even fractional choices cannot fit (then no plan does), -inf if HiGHS
-    stopped at its time limit first. `program`: build_program's for these arguments, where the caller has it."""
+) -> Relaxation:
+    """The linear relaxation under `limit`: its optimum bounds the cost of every plan whose simulated peak
+    is at most `limit` from below (inf: then no plan fits). `program`: build_program's for these
+    arguments, where the caller has it."""
     program = program or build_program(bound, units, options, costs)
-    return _solve(program, len(units), limit, TIME_LIMIT_S, limit, relaxed=True)[1]
+    return Relaxation(*_solve(program, len(units), limit, TIME_LIMIT_S, limit, relaxed=True))
 
 
 def solve_exact(
@@ -195,7 +213,7 @@ def solve_exact(
     program: Program | None = None,
 ) -> Exact | None:
     """The least-cost plan whose simulated peak is at most `limit` (or one proven within `rel_gap` of
-    it); None if none exists (or none was found within the time limit). `program` as in relaxed_lower."""
+    it); None if none exists (or none was found within the time limit). `program` as in relaxation."""
     started = time.perf_counter()
     program = program or build_program(bound, units, options, costs)
     ctx, s = bound.ctx, bound.settings

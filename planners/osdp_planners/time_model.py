@@ -118,7 +118,7 @@ def comm_seconds(profile: ModelProfile, unit: str, opt: Option, topo: Topology, 
     if opt.strategy is Strategy.DDP:
         return topo.ring(full, topo.world_size, slices, factor=2.0)
     gathers = 1 if opt.strategy is Strategy.ZERO2 else 2
-    t = topo.ring(gathered, g, gathers * slices) + topo.ring(full, g, slices)
+    t = topo.ring(gathered, g, gathers * slices, factor=gathers) + topo.ring(full, g, slices)
     if opt.strategy is Strategy.HSDP:
         t += topo.ring(full / g, topo.replica_link(g), slices, factor=2.0)
     return t
