@@ -10,7 +10,8 @@ import ray
 from mlflow.tracking import MlflowClient
 
 from osdp_platform.checkpoint import CheckpointSaved
-from osdp_platform.inbox import MetricsInbox, MetricsPump, MetricsSender, NodeSample, StepReport
+from osdp_platform.inbox import MetricsInbox, MetricsSender, NodeSample, StepReport
+from osdp_platform.pump import MetricsPump
 from osdp_platform.tracking import RunTracker, Tag
 
 STEPS = 7
