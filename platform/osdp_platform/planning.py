@@ -1,6 +1,8 @@
 """Turn a recipe into a plan: locally (the `plan` command) or in the planner actor on a sample worker."""
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import fields, is_dataclass
 from typing import Any
 
@@ -82,19 +84,33 @@ def _wait_until_placed(actor: Any, recipe: Recipe) -> None:
         ) from None
 
 
-def plan_on_sample_worker(recipe: Recipe) -> PlanResult:
-    """Place the planner actor like one training worker (same pool), get its plan (with what it was computed from, for
-    the run's charts), and free the worker again."""
+@contextmanager
+def sample_worker(recipe: Recipe) -> Iterator[Any]:
+    """A planner actor placed like one training worker (same pool); killed on leaving, which frees the worker
+    again for training."""
     gpu = 1 if recipe.hardware.accelerator == "gpu" else 0
     options = {"num_cpus": 1, "num_gpus": gpu, "resources": pool_request(recipe.hardware)}
     actor = PlannerActor.options(**options).remote()  # type: ignore[attr-defined]  # ray.remote's class
     try:
         _wait_until_placed(actor, recipe)
-        result = ray.get(actor.plan.remote(recipe.model_dump(mode="json")), timeout=PLANNER_TIMEOUT_S)
+        yield actor
+    finally:
+        ray.kill(actor)
+
+
+def plan_on(actor: Any, recipe: Recipe) -> PlanResult:
+    """The plan `actor` (a sample worker of `recipe`'s pool) makes, with what it was computed from, for the
+    run's charts; the planner's UserError arrives whole."""
+    try:
+        result: PlanResult = ray.get(actor.plan.remote(recipe.model_dump(mode="json")), timeout=PLANNER_TIMEOUT_S)
     except RayTaskError as exc:
         if isinstance(exc.cause, UserError):
             raise exc.cause from None
         raise
-    finally:
-        ray.kill(actor)
     return result
+
+
+def plan_on_sample_worker(recipe: Recipe) -> PlanResult:
+    """Plan `recipe` on a sample worker started for it."""
+    with sample_worker(recipe) as actor:
+        return plan_on(actor, recipe)
