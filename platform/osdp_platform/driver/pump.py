@@ -10,9 +10,9 @@ from typing import Any
 
 import ray
 
-from osdp_platform.checkpoint import CheckpointSaved
-from osdp_platform.inbox import NodeSample, WorkersStarted
-from osdp_platform.tracking import RunTracker, system_metric
+from osdp_platform.runtime.checkpoint import CheckpointSaved
+from osdp_platform.runtime.inbox import NodeSample, WorkersStarted
+from osdp_platform.tracking.runs import RunTracker, system_metric
 
 POLL_S = 0.5
 FLUSH_EVERY_S = 5.0

@@ -16,14 +16,14 @@ from rich.console import Console
 
 from osdp_planners import PlanResult
 from osdp_planners.errors import NoPlanFits, UserError
-from osdp_platform.cluster import check_cluster, connect
-from osdp_platform.compare import Format, Row, compare
-from osdp_platform.planning import plan_on, sample_worker
-from osdp_platform.preflight import preflight, where_it_runs
-from osdp_platform.recipe import Recipe
-from osdp_platform.recipe_loader import load_recipe
-from osdp_platform.submit import ray_logs_hint, submit
-from osdp_platform.tracking import RunKind, RunTracker, Tag, check_reachable
+from osdp_platform.driver.cluster import check_cluster, connect
+from osdp_platform.driver.submit import ray_logs_hint, submit
+from osdp_platform.planning.sample_worker import plan_on, sample_worker
+from osdp_platform.recipe.loader import load_recipe
+from osdp_platform.recipe.preflight import preflight, where_it_runs
+from osdp_platform.recipe.schema import Recipe
+from osdp_platform.tracking.compare import Format, Row, compare
+from osdp_platform.tracking.runs import RunKind, RunTracker, Tag, check_reachable
 
 
 def expand(overrides: list[str]) -> list[list[str]]:

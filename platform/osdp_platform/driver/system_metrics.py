@@ -15,7 +15,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from osdp_platform.inbox import NodeSample
+from osdp_platform.runtime.inbox import NodeSample
 
 SAMPLE_EVERY_S = 10.0
 FIRST_SAMPLE_AFTER_S = 1.0  # CPU utilisation is measured between two readings

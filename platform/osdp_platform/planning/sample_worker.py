@@ -1,4 +1,4 @@
-"""Turn a recipe into a plan: locally (the `plan` command) or in the planner actor on a sample worker."""
+"""Plan on a sample worker: the planner actor, placed like one training worker, runs `local.plan_recipe` there."""
 
 import json
 from collections.abc import Iterator
@@ -12,10 +12,9 @@ from ray.exceptions import GetTimeoutError, RayTaskError
 
 from osdp_planners import PlanResult
 from osdp_planners.errors import UserError
-from osdp_platform.cluster import pool_request
-from osdp_platform.local_plan import plan_recipe as plan_recipe
-from osdp_platform.local_plan import plan_request as plan_request
-from osdp_platform.recipe import Recipe
+from osdp_platform.driver.cluster import pool_request
+from osdp_platform.planning.local import plan_recipe
+from osdp_platform.recipe.schema import Recipe
 
 PLANNER_TIMEOUT_S = 600  # for planning, once the actor is placed (hardware.wait_for_nodes_s until then)
 

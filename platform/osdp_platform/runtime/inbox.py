@@ -14,7 +14,7 @@ from typing import Any
 
 import ray
 
-from osdp_platform.checkpoint import CheckpointSaved
+from osdp_platform.runtime.checkpoint import CheckpointSaved
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from osdp_planners.errors import UserError
-from osdp_platform.tracking import Metric, RunRecord, RunTracker, Tag, run_records
+from osdp_platform.tracking.runs import Metric, RunRecord, RunTracker, Tag, run_records
 
 Format = Literal["table", "json", "markdown"]
 MIB = 1024**2
