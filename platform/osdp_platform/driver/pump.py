@@ -1,6 +1,6 @@
-"""The driver's side of the inbox (inbox.py): drain it every POLL_S, hand each step to the progress bar,
+"""The driver's side of the inbox (runtime/inbox.py): drain it every POLL_S, hand each step to the progress bar,
 and write MLflow in batches every FLUSH_EVERY_S. What reaches MLflow, and how, is the tracker's business
-(tracking.py)."""
+(tracking/runs.py)."""
 
 import threading
 import time

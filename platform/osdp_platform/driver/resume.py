@@ -1,6 +1,6 @@
 """`submit --resume RUN_ID`: the checkpoint an earlier run recorded in MLflow, checked in the driver before Ray starts.
 
-The driver's half of checkpointing (checkpoint.py is the workers'): it reads the MLflow run, so it
+The driver's half of checkpointing (runtime/checkpoint.py is the workers'): it reads the MLflow run, so it
 lives apart from the code a worker imports.
 """
 

@@ -1,7 +1,7 @@
 """CPU, memory and GPU use of every node of the Ray cluster during a run, sampled on the node itself.
 
 One sampler actor per node, taking no CPU slot, so it never keeps a worker from being placed; it
-pushes samples to the driver's inbox (inbox.py), which the driver writes to MLflow under MLflow's
+pushes samples to the driver's inbox (runtime/inbox.py), which the driver writes to MLflow under MLflow's
 names for system metrics. psutil gives CPU and memory; NVML (nvidia-ml-py) each GPU's utilisation
 and memory where it finds GPUs. Nodes an autoscaler adds during the run get a sampler when seen.
 """

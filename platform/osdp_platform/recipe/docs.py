@@ -1,4 +1,4 @@
-"""The recipe reference, rendered from the schema (recipe.py), so the README cannot drift from what the loader
+"""The recipe reference, rendered from the schema (recipe/schema.py), so the README cannot drift from what the loader
 accepts: every key with its type, bounds, default and the field's own description.
 
 `make docs` (`python -m osdp_platform.recipe.docs --write README.md`) rewrites the README's block between

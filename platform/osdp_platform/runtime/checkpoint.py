@@ -12,7 +12,7 @@ would begin again from step 0. So rank 0 also hands each stored folder to the dr
 (inbox.py), which outlives the workers, and a restart loads the inbox's newest.
 
 How resume finds them: once every rank's files are stored, the driver records the folder and the step to
-continue at on the MLflow run (tracking.py); `submit --resume RUN_ID` reads them back (resume.py, the
+continue at on the MLflow run (tracking/runs.py); `submit --resume RUN_ID` reads them back (driver/resume.py, the
 driver's half: a worker never imports MLflow). DCP matches tensors by name and reshards on load, so a
 checkpoint loads under another plan or worker count. Operator splitting renames parameters (`x.weight` ->
 `x.slices.i.weight`): model and optimizer state are saved under the unsplit names and cut back into the live

@@ -2,7 +2,7 @@
 
 On a CPU pool the driver, the inbox and the workers share cores, and every message wakes a process that
 preempts a rank (its peers then wait at the next collective). So rank 0 pushes without waiting for an
-answer, and the driver collects everything pending in one call per poll (pump.py, the driver's half, which
+answer, and the driver collects everything pending in one call per poll (driver/pump.py, the driver's half, which
 writes MLflow: a worker imports this module, never that one). A step's metrics leave rank 0 as the step
 ends, stamped with that time, so a later failure of any worker does not lose them and MLflow shows when each
 step ran. The inbox outlives the workers, so it also keeps the newest stored checkpoint for a restart after
@@ -28,7 +28,7 @@ class StepReport:
 
 @dataclass(frozen=True)
 class NodeSample:
-    """A node's sampler -> driver: CPU, memory and GPU use of one node at one moment (system_metrics.py)."""
+    """A node's sampler -> driver: CPU, memory and GPU use of one node at one moment (driver/system_metrics.py)."""
 
     node: str
     index: int
