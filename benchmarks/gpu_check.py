@@ -35,6 +35,7 @@ from osdp_planners.loss import lm_loss, logits_of
 from osdp_planners.mfu import mfu, model_shape
 from osdp_planners.options import Option
 from osdp_planners.plan import Plan
+from osdp_planners.time_model import optimizer_seconds, unit_time
 from osdp_planners.torch_private import register_fake_backend
 from osdp_platform.planning.local import plan_recipe
 from osdp_platform.recipe.loader import load_recipe
@@ -48,7 +49,7 @@ HERE = Path(__file__).resolve().parent
 RECIPE = HERE.parent / "recipes" / "llama.yaml"
 RESULTS = HERE / "results" / "gpu_check.json"
 MARKERS = ("<!-- gpu_check -->", "<!-- /gpu_check -->")
-WARMUP, STEPS = 3, 6
+WARMUP, STEPS = 3, 12  # one case measured 0.307 s and 0.269 s over 6 steps in two runs
 CASE_TIMEOUT_S = 150  # one case that hangs must not eat the check's 5 minutes
 TARGETS = "step within 10% of predicted in every case; tokens/s >= 1.0x the hand-written loop at world 1"
 # name -> (model size, world, planner, micro batch); world 1 runs a real process group of one
@@ -125,9 +126,13 @@ def _platform_step(recipe: Recipe, plan: Plan, device: torch.device) -> float:
     return _median_step(lambda: train_step(model, optimizer, batches, plan.grad_accum_steps), device)
 
 
-def _hand_step(recipe: Recipe, micro: int, seq_len: int, device: torch.device) -> float:
-    """What a user writes without the platform: the plain module, autocast to bf16, fused AdamW."""
+def _hand_step(recipe: Recipe, micro: int, seq_len: int, device: torch.device, compiled: bool = False) -> float:
+    """What a user writes without the platform: the plain module, autocast to bf16, fused AdamW
+    (`compiled`: each block through torch.compile, as torchtitan compiles)."""
     model = build_model(recipe.model, str(device))
+    if compiled:
+        for block in getattr(model, "layers", []):
+            block.compile()
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.train.lr, fused=device.type == "cuda")
     x = torch.randint(0, 256, (micro, seq_len), device=device)
 
@@ -165,6 +170,7 @@ def run_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
     tokens = plan.micro_batch_size * plan.grad_accum_steps * plan.seq_len
     shape = model_shape(build_model(recipe.model, "meta"))
     peak = get_preset(recipe.hardware.preset).peak_flops_per_s
+    step_parts = _step_parts(ctx, options, plan.micro_batch_size, plan.grad_accum_steps)
     row: dict[str, Any] = {
         "case": name,
         "model": recipe.model.label,
@@ -180,6 +186,7 @@ def run_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "tokens_per_s": tokens / measured,
         "mfu": mfu(tokens / measured, shape.flops_per_token(plan.seq_len), peak),
         "peak_flops_per_s": peak,
+        "predicted_parts_s": step_parts,
     }
     if world == 1:
         try:
@@ -192,7 +199,29 @@ def run_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
                 "hand_tokens_per_s": tokens / hand,
                 "hand_mfu": mfu(tokens / hand, shape.flops_per_token(plan.seq_len), peak),
             }
+        if args.compiled_hand and device.type == "cuda":
+            torch.cuda.empty_cache()
+            row["hand_compiled_step_s"] = _hand_step(recipe, plan.micro_batch_size, plan.seq_len, device, True)
     return row
+
+
+def _step_parts(ctx: Context, options: dict[str, Option], batch: int, accum: int) -> dict[str, Any]:
+    """The predicted step by part: compute (with FSDP2's copies), communication, optimizer; and the probe."""
+    times = [
+        unit_time(ctx.profile, u, o, batch, ctx.topo, ctx.measured, ctx.compute_bytes, ctx.overlap)
+        for u, o in options.items()
+    ]
+    parts: dict[str, Any] = {
+        "compute": accum * sum(t.compute_s for t in times),
+        "comm": accum * sum(t.comm_s for t in times),
+        "optimizer": optimizer_seconds(ctx.profile, options, ctx.topo, ctx.measured),
+    }
+    if ctx.measured is not None:
+        m = ctx.measured
+        parts["probe_forward"] = sum(line.at(batch) for line in m.forward.values())
+        parts["probe_backward"] = sum(line.at(batch) for line in m.backward.values())
+        parts["fsdp_s_per_byte"] = m.fsdp_s_per_byte
+    return parts
 
 
 def _error(row: dict[str, Any]) -> float:
@@ -250,6 +279,7 @@ def main() -> None:
     parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
     parser.add_argument("--case", help=argparse.SUPPRESS)  # a child process: run this one case, print its row
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--compiled-hand", action="store_true", help="also time the hand-written loop compiled")
     args = parser.parse_args()
     if args.case:
         print(json.dumps(run_case(args.case, args)))
@@ -259,6 +289,7 @@ def main() -> None:
     rows = []
     for name in args.cases:
         child = [sys.executable, __file__, "--case", name, "--device", args.device, "--seq-len", str(args.seq_len)]
+        child += ["--compiled-hand"] if args.compiled_hand else []
         env = {**os.environ, **worker_env(os.environ)}  # the allocator settings the workers run with
         try:
             done = subprocess.run(

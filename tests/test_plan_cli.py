@@ -25,11 +25,13 @@ def test_llama_7b_zero3_plan_without_gpu_or_ray(tmp_path: Path) -> None:
     assert {u.strategy for u in plan.units} == {Strategy.ZERO3}
     assert sum(u.param_count for u in plan.units) == 6_738_415_616
     assert plan.predicted.peak_memory_bytes is not None
-    margin = plan.memory_margin  # a GPU pool's default: 5% of the budget and 1 GiB stay unplanned
+    margin = plan.memory_margin  # a GPU pool's default: 5% of the budget and 1 GiB stay unplanned,
     assert margin is not None and (margin.fraction, margin.reserve_bytes) == (0.05, 1 << 30)
-    assert margin.usable_bytes == int(plan.memory_limit_bytes * 0.95) - (1 << 30)
+    assert margin.allocator_overhead == 0.25  # and the reserved peak is the allocated one x 1.25
+    assert margin.usable_bytes == int((plan.memory_limit_bytes * 0.95 - (1 << 30)) / 1.25)
     assert plan.predicted.peak_memory_bytes <= margin.usable_bytes
-    assert "usable after a 5%" in result.stdout
+    assert plan.predicted.reserved_memory_bytes == int(plan.predicted.peak_memory_bytes * 1.25)
+    assert "usable after a 5%" in result.stdout and "the allocator's 25%" in result.stdout
     assert plan.baselines["ddp"].fits is False  # 7B with AdamW replicated needs > 80 GB
     assert "best uniform plan" in result.stdout
     assert (tmp_path / "p.png").stat().st_size > 10_000

@@ -6,10 +6,12 @@ parameter shapes and argument shapes: the blocks of a decoder are one) is then b
 device, in the compute dtype, fed random arguments of those shapes, and timed forward and backward
 at both timing batches; every unit is charged its modules' times, and the loss on the logits is timed
 on its own and charged to the last unit. The optimizer's rate per parameter comes from the largest
-distinct module. Nothing larger than one block is ever on the device.
+distinct module; on a GPU what FSDP2's copies and casts add, per unit and per byte (fsdp_probe), from
+the two largest repeated blocks. Nothing larger than one block is ever on the device.
 """
 
 import copy
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -17,8 +19,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from osdp_planners.compute_probe import REPEATS, TIMING_BATCHES, MeasuredTimes, sync
+from osdp_planners.fsdp_probe import Added, added_costs, fully_shard_alone, per_byte, per_unit_and_byte
 from osdp_planners.loss import lm_loss
 from osdp_planners.profile import Linear1
 from osdp_planners.runtime import compute_dtype, make_optimizer
@@ -122,15 +126,21 @@ def measure_blocks(
     device: torch.device,
     precision: str = "fp32",
     optimizer: str = "adamw",
+    world: int = 1,
 ) -> MeasuredTimes:
-    """Per-unit forward and backward lines and the optimizer's seconds per parameter, block by block."""
+    """Per-unit forward and backward lines, the optimizer's seconds per parameter and, on a GPU, what
+    FSDP2 adds per unit and per byte for a rank of `world` (fsdp_probe, on two repeated blocks), block by block."""
     meta = build("meta")
     dtype = compute_dtype(precision)
     units = [u for u in find_units(meta, seq_len) if u.name != ROOT]
     paths = [p for u in units for p in u.modules]
     timed: dict[tuple[object, ...], tuple[float, float]] = {}
     per_batch: dict[int, dict[str, tuple[float, float]]] = {}
-    largest: nn.Module | None = None
+    modules = {p: meta.get_submodule(p) for p in paths}
+    sizes = {p: sum(q.numel() for q in m.parameters()) for p, m in modules.items()}
+    largest = max(paths, key=sizes.__getitem__)
+    probed = _fsdp_probed(paths, sizes)
+    probe_calls: dict[str, Call] = {}
     for batch in TIMING_BATCHES:
         calls = _capture(meta, paths, batch, seq_len)
         seconds = {}
@@ -140,11 +150,9 @@ def measure_blocks(
             if key not in timed:
                 real = _materialise(module, device, dtype)
                 timed[key] = _time_module(real, _inputs(calls[path], device, dtype, batch, vocab_size), device)
-                if largest is None or sum(p.numel() for p in module.parameters()) > sum(
-                    p.numel() for p in largest.parameters()
-                ):
-                    largest = module
                 del real
+            if path in probed:
+                probe_calls[path] = calls[path]
             seconds[path] = timed[key]
         logits = torch.randn(batch, seq_len, vocab_size, device=device, dtype=dtype, requires_grad=True)
         targets = torch.randint(0, vocab_size, (batch, seq_len), device=device)
@@ -160,13 +168,49 @@ def measure_blocks(
     charged = {u.name: [*u.modules, *(["<loss>"] if u is units[-1] else [])] for u in units}
     forward = {name: line(ps, 0) for name, ps in charged.items()} | {ROOT: Linear1(0.0, 0.0)}
     backward = {name: line(ps, 1) for name, ps in charged.items()} | {ROOT: Linear1(0.0, 0.0)}
-    return MeasuredTimes(forward, backward, _optimizer_rate(largest, device, optimizer))
+    times = MeasuredTimes(forward, backward, _optimizer_rate(modules[largest], device, optimizer))
+    if device.type != "cuda":
+        return times
+    added = [
+        _fsdp_added(modules[p], probe_calls[p], timed[_signature(modules[p], probe_calls[p])], device, precision, world)
+        for p in probed
+    ]
+    if len(added) == 1:
+        return dataclasses.replace(times, fsdp_s_per_byte=per_byte(added[0]))
+    per_unit, byte = per_unit_and_byte(added[1], added[0])
+    return dataclasses.replace(times, fsdp_s_per_byte=byte, fsdp_s_per_unit=per_unit)
 
 
-def _optimizer_rate(module: nn.Module | None, device: torch.device, optimizer: str) -> float:
+def _fsdp_probed(paths: list[str], sizes: dict[str, int]) -> list[str]:
+    """The modules FSDP2's costs are measured on: the blocks of the two largest sizes that repeat (a
+    decoder's MLP and attention), the larger first; else the largest module."""
+    repeated: dict[int, str] = {}
+    for p in paths:
+        if sizes[p] and sum(sizes[q] == sizes[p] for q in paths) > 1:
+            repeated.setdefault(sizes[p], p)
+    ranked = [repeated[s] for s in sorted(repeated, reverse=True)[:2]]
+    return ranked or [max(paths, key=sizes.__getitem__)]
+
+
+def _fsdp_added(
+    module: nn.Module, call: Call, plain: tuple[float, float], device: torch.device, precision: str, world: int
+) -> dict[str, Added]:
+    """What FSDP2 adds to `module` alone as one unit, at the larger timing batch, for rank 0 of `world`
+    (its inputs are activations: any integer ids among them only need to index a vocabulary of one)."""
+    args, kwargs = _inputs(call, device, compute_dtype(precision), TIMING_BATCHES[-1], 1)
+
+    def sharded(strategy: str, meshes: dict[str, DeviceMesh]) -> nn.Module:
+        return fully_shard_alone(_materialise(module, device, torch.float32), strategy, meshes, precision)
+
+    def run(live: nn.Module) -> None:
+        outs = [t for t in tree_leaves(live(*args, **kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+
+    return added_costs(sharded, run, device, world, plain[0] + plain[1])
+
+
+def _optimizer_rate(module: nn.Module, device: torch.device, optimizer: str) -> float:
     """Seconds per parameter of the runtime's optimizer stepping one module's fp32 weights."""
-    if module is None:
-        return 0.0
     real = _materialise(module, device, torch.float32)
     for p in real.parameters():
         p.grad = torch.zeros_like(p)

@@ -92,11 +92,11 @@ def added_seconds(
     return statistics.median(step_diffs), statistics.median(opt_diffs)
 
 
-def probe_meshes(world: int) -> dict[str, DeviceMesh]:
+def probe_meshes(world: int, device_type: str = "cpu") -> dict[str, DeviceMesh]:
     """DP replicates over a (world, 1) mesh, as the runtime applies it; ZeRO shards over all ranks."""
     return {
-        "ddp": init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard")),
-        "zero": init_device_mesh("cpu", (world,), mesh_dim_names=("shard",)),
+        "ddp": init_device_mesh(device_type, (world, 1), mesh_dim_names=("replicate", "shard")),
+        "zero": init_device_mesh(device_type, (world,), mesh_dim_names=("shard",)),
     }
 
 

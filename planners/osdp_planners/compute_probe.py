@@ -35,6 +35,21 @@ class MeasuredTimes:
     optimizer_s_per_param: float  # optimizer step time per parameter owned
     # GPU: strategy -> seconds FSDP2's copies and casts add per parameter byte of a unit (fsdp_probe)
     fsdp_s_per_byte: dict[str, float] = field(default_factory=dict)
+    fsdp_s_per_unit: dict[str, float] = field(default_factory=dict)  # and per FSDP2 unit (block_probe)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "MeasuredTimes":
+        """The inverse of `to_dict` (a cached measurement read back)."""
+        return cls(
+            {u: Linear1(**line) for u, line in d["forward"].items()},
+            {u: Linear1(**line) for u, line in d["backward"].items()},
+            d["optimizer_s_per_param"],
+            dict(d["fsdp_s_per_byte"]),
+            dict(d["fsdp_s_per_unit"]),
+        )
 
 
 def sync(device: torch.device) -> None:

@@ -3,36 +3,101 @@ reduce-scatter buffers, and the casts of its mixed-precision policy. They run on
 so no overlap hides them (the collectives' own time is the time model's link model).
 
 One rank of the pool is run in this process under the fake process group: collectives move nothing,
-so a uniformly sharded model's forward+backward over the plain model's (compute_probe) is FSDP2's own
-work. It is measured per uniform strategy at the larger timing batch and charged per parameter byte
-of a unit, since the copies and casts grow with the unit's size (without a measurement, nothing).
+so a sharded module's forward+backward over the plain one's is FSDP2's own work. It is measured per
+uniform strategy at the larger timing batch and charged per parameter byte of a unit, since the
+copies and casts grow with the unit's size (without a measurement, nothing). A model that fits the
+device is measured whole and charged per byte; a larger one on two blocks of different sizes alone
+(block_probe), which give a cost per FSDP2 unit beside the cost per byte.
 """
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
 
-from osdp_planners.comm_probe import STRATEGIES, shard_uniform
+from osdp_planners.comm_probe import STRATEGIES, probe_meshes, shard_uniform
 from osdp_planners.compute_probe import REPEATS, TIMING_BATCHES, forward_loss, sync
+from osdp_planners.runtime import mp_policy
 from osdp_planners.torch_private import register_fake_backend
 from osdp_planners.units import ROOT, find_units
 
+Sharded = Callable[[str, dict[str, DeviceMesh]], nn.Module]  # strategy, meshes -> a sharded module
 
-def _median_pass(model: nn.Module, x: torch.Tensor, device: torch.device) -> float:
+
+def _median_pass(run: Callable[[], None], device: torch.device) -> float:
     times = []
     for i in range(REPEATS + 1):
         sync(device)
         t0 = time.perf_counter()
-        forward_loss(model, x).backward()
+        run()
         sync(device)
         if i:  # the first pass builds FSDP2's lazy state
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+@contextmanager
+def _fake_rank(world: int, device: torch.device) -> Iterator[dict[str, DeviceMesh]]:
+    """Rank 0 of `world` under the fake process group (unless a group exists), with the probe's meshes."""
+    register_fake_backend()
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("fake", rank=0, world_size=world, store=dist.HashStore())
+    try:
+        yield probe_meshes(world, device.type)
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class Added:
+    """What FSDP2 added to one module's forward+backward under a strategy, and the module's parameter bytes."""
+
+    seconds: float
+    nbytes: int
+
+
+def added_costs(
+    sharded: Sharded, run: Callable[[nn.Module], None], device: torch.device, world: int, plain_s: float
+) -> dict[str, Added]:
+    """Seconds each uniform strategy adds to `run` over `plain_s`, for rank 0 of `world`; `sharded` builds
+    the module (fp32 master weights) under a strategy's meshes."""
+    costs = {}
+    with _fake_rank(world, device) as meshes:
+        for strategy in STRATEGIES:
+            module = sharded(strategy, meshes)
+            nbytes = sum(p.numel() * p.element_size() for p in module.parameters())  # a DTensor's numel is global
+            costs[strategy] = Added(max(_median_pass(partial(run, module), device) - plain_s, 0.0), nbytes)
+            del module
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return costs
+
+
+def per_byte(added: dict[str, Added]) -> dict[str, float]:
+    return {s: a.seconds / a.nbytes for s, a in added.items()}
+
+
+def per_unit_and_byte(small: dict[str, Added], large: dict[str, Added]) -> tuple[dict[str, float], dict[str, float]]:
+    """A fixed cost per FSDP2 unit and a cost per byte, per strategy, through two modules' measurements:
+    a single block's cost per byte misses the hooks and stream waits every unit pays (on an H200 the 7b
+    MLP block's ZeRO-3 cost per byte was a third of the whole 1b model's). Neither is ever negative."""
+    unit, byte = {}, {}
+    for s in small:
+        a, b = small[s], large[s]
+        slope = (b.seconds - a.seconds) / (b.nbytes - a.nbytes) if b.nbytes != a.nbytes else 0.0
+        byte[s] = max(slope, 0.0)
+        unit[s] = max(a.seconds - byte[s] * a.nbytes, 0.0)
+    return unit, byte
 
 
 def measure_fsdp_costs(
@@ -44,29 +109,20 @@ def measure_fsdp_costs(
     precision: str,
     plain_s: float,
 ) -> dict[str, float]:
-    """Seconds per parameter byte that each uniform strategy adds to forward+backward over `plain_s`
-    (the plain model's at the larger timing batch), for rank 0 of `world` ranks."""
-    register_fake_backend()
-    own_group = not dist.is_initialized()
-    if own_group:
-        dist.init_process_group("fake", rank=0, world_size=world, store=dist.HashStore())
-    try:
-        meshes = {
-            "ddp": init_device_mesh(device.type, (world, 1), mesh_dim_names=("replicate", "shard")),
-            "zero": init_device_mesh(device.type, (world,), mesh_dim_names=("shard",)),
-        }
-        x = torch.randint(0, vocab_size, (TIMING_BATCHES[-1], seq_len), device=device)
-        costs = {}
-        for strategy in STRATEGIES:
-            model = build(str(device))
-            nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-            units = [[model.get_submodule(m) for m in u.modules] for u in find_units(model, seq_len) if u.name != ROOT]
-            shard_uniform(model, units, strategy, meshes, precision)
-            costs[strategy] = max(_median_pass(model, x, device) - plain_s, 0.0) / nbytes
-            del model
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        return costs
-    finally:
-        if own_group:
-            dist.destroy_process_group()
+    """The whole model under each uniform strategy against `plain_s` (its plain forward+backward at the
+    larger timing batch)."""
+    x = torch.randint(0, vocab_size, (TIMING_BATCHES[-1], seq_len), device=device)
+
+    def sharded(strategy: str, meshes: dict[str, DeviceMesh]) -> nn.Module:
+        model = build(str(device))
+        units = [[model.get_submodule(m) for m in u.modules] for u in find_units(model, seq_len) if u.name != ROOT]
+        return shard_uniform(model, units, strategy, meshes, precision)
+
+    return per_byte(added_costs(sharded, lambda m: forward_loss(m, x).backward(), device, world, plain_s))
+
+
+def fully_shard_alone(module: nn.Module, strategy: str, meshes: dict[str, DeviceMesh], precision: str) -> nn.Module:
+    """One block as an FSDP2 unit of its own under a uniform strategy (block_probe's view of a unit)."""
+    mesh = meshes["ddp" if strategy == "ddp" else "zero"]
+    fully_shard(module, mesh=mesh, reshard_after_forward=strategy == "zero3", mp_policy=mp_policy(precision))
+    return module

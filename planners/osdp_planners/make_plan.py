@@ -4,12 +4,14 @@ Every planner (osdp, the uniform baselines, a manual plan file) runs on the same
 predictions are comparable; whatever fails inside reaches the caller as one UserError.
 """
 
+import hashlib
 import os
 import traceback
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,6 +21,7 @@ from osdp_planners.comm_probe import CommProfile, cached_comm
 from osdp_planners.compute_probe import MeasuredTimes, measure_times
 from osdp_planners.errors import UserError, UserErrors
 from osdp_planners.evaluate import Context, evaluate
+from osdp_planners.local_ranks import cache_file, cached
 from osdp_planners.model_probe import Training, calibrate, measure_on_ranks
 from osdp_planners.options import Option
 from osdp_planners.osdp import Choice, best_uniform, infeasible, search_osdp, to_plan
@@ -60,6 +63,7 @@ def _profile(build: Builder, req: PlanRequest, structure: str, dtype: torch.dtyp
     return _profiles[key]
 
 
+DEVICE_CACHE_VERSION = 2  # of a cached device measurement's format (2: FSDP2's cost per unit)
 WHOLE_MODEL_FRACTION = 0.5  # of the device's memory the whole-model probe's states may take
 PROBE_BYTES_PER_PARAM = 20  # fp32 weights, gradients and two moments, and the bf16 copy with its gradients
 
@@ -70,6 +74,30 @@ def _whole_model_fits(build: Builder, device: torch.device) -> bool:
         return True
     params = sum(p.numel() for p in build("meta").parameters())
     return PROBE_BYTES_PER_PARAM * params < WHOLE_MODEL_FRACTION * torch.cuda.get_device_properties(device).total_memory
+
+
+def _time_on_device(
+    build: Builder, req: PlanRequest, device: torch.device, flops: dict[str, float], structure: str
+) -> MeasuredTimes:
+    """The model timed on this GPU, whole where it fits, else block by block; cached on disk per model,
+    shape, training settings, world size and device name, so that planning the same model again (another
+    planner, a sweep, a restart at another world size) takes no device time."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    shape = f"{req.model_label}|{structure}|{req.seq_len}|{req.token_range}|{req.precision}|{req.optimizer}"
+    key = hashlib.sha256(f"{shape}|{req.world_size}|{name}".encode()).hexdigest()[:16]
+
+    def measure() -> dict[str, Any]:
+        if _whole_model_fits(build, device):
+            times = measure_times(
+                build, req.seq_len, req.token_range, device, flops, req.precision, req.optimizer, req.world_size
+            )
+        else:
+            times = measure_blocks(
+                build, req.seq_len, req.token_range, device, req.precision, req.optimizer, req.world_size
+            )
+        return times.to_dict()
+
+    return MeasuredTimes.from_dict(cached(cache_file(f"device-v{DEVICE_CACHE_VERSION}", key), measure))
 
 
 def build_context(build: Builder, req: PlanRequest, measure_on: str | None) -> Context:
@@ -98,13 +126,7 @@ def build_context(build: Builder, req: PlanRequest, measure_on: str | None) -> C
                     probes = Topology(req.world_size, req.workers_per_node, req.device, comm)
                     comm = calibrate(comm, overheads, profile, probes, compute_bytes, measured.optimizer_s_per_param)
         else:
-            device = torch.device(measure_on)
-            if _whole_model_fits(build, device):
-                measured = measure_times(
-                    build, req.seq_len, req.token_range, device, flops, req.precision, req.optimizer, req.world_size
-                )
-            else:
-                measured = measure_blocks(build, req.seq_len, req.token_range, device, req.precision, req.optimizer)
+            measured = _time_on_device(build, req, torch.device(measure_on), flops, structure)
     return Context(
         profile,
         Topology(req.world_size, req.workers_per_node, req.device, comm),

@@ -360,6 +360,7 @@ def to_plan(model: nn.Module, req: PlanRequest, ctx: Context, choice: Choice) ->
         update={
             "predicted": Predicted(
                 peak_memory_bytes=int(ev.peak_bytes),
+                reserved_memory_bytes=int(req.margin.reserved(ev.peak_bytes)),
                 step_time_s=ev.step_time_s,
                 throughput_samples_per_s=ev.throughput,
                 times_from=_times_from(ctx),

@@ -37,7 +37,8 @@ class UnitPlan(_Strict):
 
 
 class Predicted(_Strict):
-    peak_memory_bytes: int | None = None
+    peak_memory_bytes: int | None = None  # allocated: what the rank's tensors occupy at its peak
+    reserved_memory_bytes: int | None = None  # what the caching allocator holds then (the budget checks this)
     step_time_s: float | None = None
     throughput_samples_per_s: float | None = None
     # where compute times came from: "measured" on the pool's device, or "preset <name>" (FLOPs over its rate)
@@ -45,10 +46,12 @@ class Predicted(_Strict):
 
 
 class Margin(_Strict):
-    """The memory kept unplanned (planners/osdp_planners/margin.py): usable = budget x (1 - fraction) - reserve."""
+    """The memory kept unplanned (planners/osdp_planners/margin.py):
+    usable = (budget x (1 - fraction) - reserve) / (1 + allocator_overhead), the allocated peak a plan may reach."""
 
     fraction: float = Field(ge=0, lt=1)
     reserve_bytes: int = Field(ge=0)
+    allocator_overhead: float = Field(default=0.0, ge=0)
     usable_bytes: int
 
 

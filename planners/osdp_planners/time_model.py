@@ -8,7 +8,9 @@ gloo on CPU blocks, so there they add. Each slice of a split operator is an FSDP
 one more collective latency per gather and per reduction. The optimizer step scales with the
 parameters a rank owns. On CPU pools FSDP2's fixed costs (hooks, per-tensor copies, DTensor dispatch
 in the optimizer) are measured (see comm_probe) and charged per FSDP2 unit and per tensor; on GPUs
-the copies and casts FSDP2 runs on the compute stream are measured per byte (fsdp_probe).
+the copies and casts FSDP2 runs on the compute stream are measured per byte (fsdp_probe). A world of
+one runs no FSDP2 but autocast, whose casts cost as much on an H200 (llama 1b: DP's FSDP2 costs, 14 ms,
+charged; autocast's measured 22 ms over the probe's pure-bf16 step), so it is charged DP's.
 """
 
 from dataclasses import dataclass
@@ -134,8 +136,10 @@ def unit_time(
 ) -> UnitTime:
     fwd, bwd = compute_seconds(profile, unit, batch, topo, measured)
     compute = fwd + bwd + (fwd if opt.checkpoint else 0.0)
-    if measured is not None:  # FSDP2's copies and casts on a GPU's compute stream (fsdp_probe)
-        compute += measured.fsdp_s_per_byte.get(measured_kind(opt), 0.0) * profile.param_bytes[unit]
+    if measured is not None:  # FSDP2's copies and casts on a GPU's compute stream (autocast's at a world of one)
+        kind = measured_kind(opt)
+        compute += measured.fsdp_s_per_byte.get(kind, 0.0) * profile.param_bytes[unit]
+        compute += measured.fsdp_s_per_unit.get(kind, 0.0) * sum(1 for n in fsdp_units(profile, unit, opt) if n)
     comm = comm_seconds(profile, unit, opt, topo, compute_bytes)
     total = max(compute, comm) if overlap else compute + comm
     return UnitTime(compute, comm, total)

@@ -42,6 +42,7 @@ def make_plan(
         memory_margin=Margin(
             fraction=req.margin.fraction,
             reserve_bytes=req.margin.reserve_bytes,
+            allocator_overhead=req.margin.allocator_overhead,
             usable_bytes=int(req.usable_memory_bytes),
         ),
         units=units,

@@ -73,6 +73,11 @@ class RunSummary:
             out[Metric.STEP_TIME_RATIO] = out[Metric.MEASURED_STEP_TIME] / pred.step_time_s
         if pred.peak_memory_bytes and peaks:
             out[Metric.PEAK_MEMORY_RATIO] = out[Metric.MEASURED_PEAK_MEMORY] / pred.peak_memory_bytes
+        reserved = [s["reserved_memory_bytes"] for s in self.steps if "reserved_memory_bytes" in s]
+        if reserved:
+            out[Metric.MEASURED_RESERVED_MEMORY] = max(reserved)
+            if pred.reserved_memory_bytes:
+                out[Metric.RESERVED_MEMORY_RATIO] = max(reserved) / pred.reserved_memory_bytes
         return dict(out)
 
     def rank_peaks(self) -> list[float]:

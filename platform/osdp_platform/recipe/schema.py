@@ -298,6 +298,16 @@ class PlannerSection(_Section):
         ge=0,
         description=("fixed memory kept unplanned (CUDA context, NCCL buffers), in GiB; default 0 on CPU, 1 on GPU"),
     )
+    allocator_overhead: float | None = Field(
+        default=None,
+        ge=0,
+        le=4,
+        description=(
+            "what the CUDA caching allocator reserves over the allocated peak, as a share of it; the plan's "
+            "reserved peak must fit the budget; default 0 on CPU, 0.25 on GPU (measured with the workers' "
+            "expandable_segments; raise it if you turn that off)"
+        ),
+    )
     hsdp_group_size: PositiveInt | None = Field(
         default=None,
         description=(
@@ -482,6 +492,7 @@ class Recipe(_Section):
             PRESETS[self.hardware.preset].accelerator,
             self.planner.memory_margin,
             None if reserve is None else int(reserve * 1024**3),
+            self.planner.allocator_overhead,
         )
 
     @property

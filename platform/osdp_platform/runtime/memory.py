@@ -1,8 +1,8 @@
 """Measured peak memory of one training step on this rank.
 
-CUDA: the caching allocator's peak. CPU has no allocator statistics, so torch's MemTracker counts
-live tensor storages instead (the same totals as FSDP2's own tracker, which rejects units of tied
-modules); it slows every op, so the caller measures only chosen steps.
+CUDA: the caching allocator's allocated peak, and its reserved peak beside it. CPU has no allocator
+statistics, so torch's MemTracker counts live tensor storages instead (the same totals as FSDP2's own
+tracker, which rejects units of tied modules); it slows every op, so the caller measures only chosen steps.
 """
 
 from collections.abc import Callable, Iterator
@@ -62,3 +62,9 @@ def measure_step_peak(
     with tracking(model, optimizer) as tracker:
         step()
     return peak_snapshot(tracker)["Total"]
+
+
+def reserved_peak(device: torch.device) -> int | None:
+    """The caching allocator's reserved peak since `measure_step_peak` reset it (CUDA; None elsewhere):
+    what an OOM is decided by, beside the allocated peak the planner simulates."""
+    return int(torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else None

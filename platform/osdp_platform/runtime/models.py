@@ -171,6 +171,10 @@ def build_sharded(section: ModelSection, plan: Plan, device: torch.device, meshe
 
     Same weights as `build_model(section)` from the same RNG state. Needs the process group `plan` is for.
     """
+    if plan.world_size == 1:  # nothing to shard: the whole model, as build_model makes it (see apply.py)
+        model = build_model(section, device)
+        apply_plan(model, plan, device.type, meshes)
+        return model
     rng = torch.get_rng_state()
     reference = _skeleton(section)  # stays unsplit and unsharded: the initialiser runs on it
     protocol = init_protocol(reference)

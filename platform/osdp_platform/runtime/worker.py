@@ -23,7 +23,7 @@ from osdp_platform.recipe.schema import Recipe
 from osdp_platform.runtime.checkpoint import CheckpointSaved, restore, save_and_report, should_save
 from osdp_platform.runtime.data import BatchSampler, load_tokens
 from osdp_platform.runtime.inbox import MetricsSender, StepReport, WorkersStarted
-from osdp_platform.runtime.memory import measure_step_peak
+from osdp_platform.runtime.memory import measure_step_peak, reserved_peak
 from osdp_platform.runtime.models import build_sharded
 from osdp_platform.runtime.step import Batch, build_optimizer, train_step
 
@@ -37,6 +37,7 @@ class StepMetrics:
     step_time_s: float
     tokens_per_s: float
     peak_memory_bytes: int | None  # measured on chosen steps only (see memory.py)
+    reserved_memory_bytes: int | None = None  # CUDA: the allocator's reserved peak, max over ranks
     rank_step_time_s: list[float] = field(default_factory=list)
     rank_peak_memory_bytes: list[float] = field(default_factory=list)
     mfu: float | None = None  # GPU runs: per-device model FLOPs over the preset's peak (osdp_planners.mfu)
@@ -47,6 +48,8 @@ class StepMetrics:
             out["mfu"] = self.mfu
         if self.peak_memory_bytes is not None:
             out["peak_memory_bytes"] = float(self.peak_memory_bytes)
+        if self.reserved_memory_bytes is not None:
+            out["reserved_memory_bytes"] = float(self.reserved_memory_bytes)
         if len(self.rank_step_time_s) <= MAX_RANKS_LOGGED:
             out |= {f"step_time_s/rank{r}": t for r, t in enumerate(self.rank_step_time_s)}
             out |= {f"peak_memory_bytes/rank{r}": m for r, m in enumerate(self.rank_peak_memory_bytes)}
@@ -154,6 +157,7 @@ def train_loop(config: dict[str, Any], before_step: Callable[[int], None] | None
             loss = float(train_step(model, optimizer, batches, plan.grad_accum_steps))
 
         times, peaks, peak = timed_step(model, optimizer, one_step, device, world, step in probes)
+        reserved = reserved_peak(device) if peak is not None else None
         ended_ms = int(time.time() * 1000)  # MLflow shows when the step ran, not when the driver wrote it
         elapsed = max(times)
         metrics = StepMetrics(
@@ -162,6 +166,7 @@ def train_loop(config: dict[str, Any], before_step: Callable[[int], None] | None
             step_time_s=elapsed,
             tokens_per_s=tokens_per_step / elapsed,
             peak_memory_bytes=int(max(peaks)) if peak is not None else None,
+            reserved_memory_bytes=None if reserved is None else int(_reduce(reserved, dist.ReduceOp.MAX, device)),
             rank_step_time_s=times,
             rank_peak_memory_bytes=peaks if peak is not None else [],
             mfu=mfu(tokens_per_step / elapsed / world, flops_per_token, peak_flops) if peak_flops else None,

@@ -78,15 +78,22 @@ def comparison(result: PlanResult) -> str:
     plan = result.plan
     pred = plan.predicted
     margin = plan.memory_margin
+    allocator = f" and the allocator's {margin.allocator_overhead:.0%}" if margin and margin.allocator_overhead else ""
     usable = (
         f" ({_fmt_bytes(margin.usable_bytes)} usable after a {margin.fraction:.0%} + "
-        f"{_fmt_bytes(margin.reserve_bytes)} margin)"
+        f"{_fmt_bytes(margin.reserve_bytes)} margin{allocator})"
         if margin
         else ""
     )
+    reserved = (
+        f", reserved {_fmt_bytes(pred.reserved_memory_bytes)}"
+        if pred.reserved_memory_bytes and pred.reserved_memory_bytes != pred.peak_memory_bytes
+        else ""
+    )
     head = (
-        f"predicted: peak {_fmt_bytes(pred.peak_memory_bytes or 0)} of {_fmt_bytes(plan.memory_limit_bytes or 0)}"
-        f"{usable}, step {pred.step_time_s or 0:.4f} s, {pred.throughput_samples_per_s or 0:.2f} samples/s"
+        f"predicted: peak {_fmt_bytes(pred.peak_memory_bytes or 0)}{reserved} of "
+        f"{_fmt_bytes(plan.memory_limit_bytes or 0)}{usable}, step {pred.step_time_s or 0:.4f} s, "
+        f"{pred.throughput_samples_per_s or 0:.2f} samples/s"
     )
     if pred.times_from and pred.times_from != "measured":
         head += f" (times from the {pred.times_from}, not measured)"

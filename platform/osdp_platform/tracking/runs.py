@@ -78,13 +78,16 @@ DOES_NOT_FIT = "does not fit"
 class Metric(StrEnum):
     """Run-level metrics; the per-step ones are the worker's (loss, step_time_s, tokens_per_s, ...)."""
 
-    PREDICTED_PEAK_MEMORY = "predicted_peak_memory_bytes"
+    PREDICTED_PEAK_MEMORY = "predicted_peak_memory_bytes"  # allocated
+    PREDICTED_RESERVED_MEMORY = "predicted_reserved_memory_bytes"  # the allocator's reserve (GPU)
     PREDICTED_STEP_TIME = "predicted_step_time_s"
     PREDICTED_THROUGHPUT = "predicted_throughput_samples_per_s"
     MEASURED_PEAK_MEMORY = "measured_peak_memory_bytes"
+    MEASURED_RESERVED_MEMORY = "measured_reserved_memory_bytes"
     MEASURED_STEP_TIME = "measured_step_time_s"
     MEASURED_THROUGHPUT = "measured_throughput_samples_per_s"
     PEAK_MEMORY_RATIO = "peak_memory_ratio"  # measured / predicted
+    RESERVED_MEMORY_RATIO = "reserved_memory_ratio"
     STEP_TIME_RATIO = "step_time_ratio"
     FIRST_LOSS = "first_loss"
     FINAL_LOSS = "final_loss"
@@ -154,6 +157,7 @@ def plan_metrics(plan: Plan) -> dict[str, float]:
     p = plan.predicted
     values: dict[str, float | None] = {
         Metric.PREDICTED_PEAK_MEMORY: p.peak_memory_bytes,
+        Metric.PREDICTED_RESERVED_MEMORY: p.reserved_memory_bytes,
         Metric.PREDICTED_STEP_TIME: p.step_time_s,
         Metric.PREDICTED_THROUGHPUT: p.throughput_samples_per_s,
     }

@@ -1,0 +1,39 @@
+"""The memory a plan leaves unplanned: on a GPU its predicted reserved peak, not its allocated one, meets the budget."""
+
+import dataclasses
+
+import pytest
+from test_search import builder
+
+from helpers import zoo_request
+from osdp_planners import make_plan_for
+from osdp_planners.hardware import GIB, get_preset
+from osdp_planners.margin import MemoryMargin
+
+
+def test_the_reserved_peak_of_a_plan_filling_the_usable_memory_meets_the_budget() -> None:
+    """usable() is the allocated peak whose reserve (x 1.25 on a GPU) plus the fixed reserve is the budget
+    less its fraction; budget_for() inverts it (to its 1e-4 GiB rounding)."""
+    margin = MemoryMargin.default("gpu")
+    assert (margin.fraction, margin.reserve_bytes, margin.allocator_overhead) == (0.05, GIB, 0.25)
+    budget = 80 * GIB
+    usable = margin.usable(budget)
+    assert margin.reserved(usable) + GIB == pytest.approx(0.95 * budget)
+    assert 0 <= margin.budget_for(usable) - budget <= 1e-4 * GIB
+    cpu = MemoryMargin.default("cpu")
+    assert cpu.reserved(usable) == usable and cpu.usable(budget) == pytest.approx(0.98 * budget)
+
+
+def test_a_gpu_plan_records_its_reserved_peak_within_the_budget() -> None:
+    """A plan for a GPU pool (times from the preset) states allocated and reserved peaks; the reserved
+    one, with the fixed reserve, fits the budget less its fraction; on CPU the two are equal."""
+    req = zoo_request("llama", 4, precision="bf16-mixed", limit=GIB // 8)
+    gpu = dataclasses.replace(req, device=get_preset("h100-80gb"), margin=MemoryMargin(0.05, GIB // 64, 0.25))
+    plan = make_plan_for(builder("llama", 2), gpu, measure_on=None).plan
+    allocated, reserved = plan.predicted.peak_memory_bytes, plan.predicted.reserved_memory_bytes
+    assert allocated is not None and reserved is not None
+    assert reserved == pytest.approx(1.25 * allocated, abs=1)
+    assert reserved + GIB // 64 <= 0.95 * GIB // 8
+    assert plan.memory_margin is not None and plan.memory_margin.allocator_overhead == 0.25
+    on_cpu = make_plan_for(builder("llama", 2), req, measure_on=None).plan.predicted
+    assert on_cpu.reserved_memory_bytes == on_cpu.peak_memory_bytes
