@@ -21,10 +21,10 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-# the README's recipe reference, rendered from platform/osdp_platform/recipe.py
+# the README's recipe reference, rendered from platform/osdp_platform/recipe/schema.py
 docs: $(STAMP)
-	$(VENV)/bin/python -m osdp_platform.recipe_docs --write README.md
+	$(VENV)/bin/python -m osdp_platform.recipe.docs --write README.md
 
 test: $(STAMP)
 	@$(MAKE) --no-print-directory lint typecheck
-	$(VENV)/bin/pytest -q -n 2 --dist loadfile
+	$(VENV)/bin/pytest -q -n 2 --dist loadfile --durations=15

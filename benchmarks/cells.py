@@ -13,9 +13,9 @@ from pathlib import Path
 from osdp_planners.errors import UserError, UserErrors
 from osdp_planners.margin import MemoryMargin
 from osdp_planners.plan import Plan, Strategy
-from osdp_platform.planning import plan_recipe
-from osdp_platform.recipe import Recipe
-from osdp_platform.recipe_loader import load_recipe
+from osdp_platform.planning.local import plan_recipe
+from osdp_platform.recipe.loader import load_recipe
+from osdp_platform.recipe.schema import Recipe
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny.yaml"
 PLANNERS = ("osdp", "ddp", "zero2", "zero3", "hsdp")

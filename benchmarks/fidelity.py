@@ -25,11 +25,11 @@ from rich.table import Table
 
 from osdp_planners.local_ranks import run_ranks, slowest
 from osdp_planners.plan import Plan
-from osdp_platform.apply import apply_plan
-from osdp_platform.models import build_model
-from osdp_platform.recipe_loader import load_recipe
-from osdp_platform.step import build_optimizer, train_step
-from osdp_platform.submit import submit
+from osdp_platform.driver.submit import submit
+from osdp_platform.recipe.loader import load_recipe
+from osdp_platform.runtime.apply import apply_plan
+from osdp_platform.runtime.models import build_model
+from osdp_platform.runtime.step import build_optimizer, train_step
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny.yaml"
 RESULTS = Path(__file__).resolve().parent / "results" / "fidelity.json"

@@ -37,13 +37,13 @@ from osdp_planners.options import Option
 from osdp_planners.plan import Plan
 from osdp_planners.time_model import optimizer_seconds, unit_time
 from osdp_planners.torch_private import register_fake_backend
-from osdp_platform.apply import Meshes
-from osdp_platform.local_plan import plan_recipe
-from osdp_platform.models import build_model, build_sharded
-from osdp_platform.recipe import Recipe
-from osdp_platform.recipe_loader import load_recipe
-from osdp_platform.step import build_optimizer, train_step
-from osdp_platform.worker_env import worker_env
+from osdp_platform.planning.local import plan_recipe
+from osdp_platform.recipe.loader import load_recipe
+from osdp_platform.recipe.schema import Recipe
+from osdp_platform.runtime.apply import Meshes
+from osdp_platform.runtime.models import build_model, build_sharded
+from osdp_platform.runtime.step import build_optimizer, train_step
+from osdp_platform.runtime.worker_env import worker_env
 
 HERE = Path(__file__).resolve().parent
 RECIPE = HERE.parent / "recipes" / "llama.yaml"

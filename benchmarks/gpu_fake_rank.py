@@ -4,7 +4,7 @@ Rank 0 of `--world` ranks runs with a fake process group: FSDP2 shards, gathers 
 as in the real job, on real CUDA tensors, while collectives move nothing. For each plan (uniform
 DP, ZeRO-2, ZeRO-3, HSDP, OSDP's plan under `--osdp-budget-gb`, and a mixed plan: every other unit
 DP, the rest ZeRO-3), each in a process of its own with the workers' allocator settings
-(platform/osdp_platform/worker_env.py), it reports the allocator's allocated and reserved peaks over
+(platform/osdp_platform/runtime/worker_env.py), it reports the allocator's allocated and reserved peaks over
 steady-state steps beside the simulated peak, and how much of the GPU margin
 (planners/osdp_planners/margin.py) the reserve-over-allocated gap uses. `--snapshot PLAN` records the
 allocator's history for one plan and prints the blocks alive at its allocated peak, grouped by where
@@ -32,14 +32,14 @@ from osdp_planners.evaluate import Context, evaluate
 from osdp_planners.options import Option
 from osdp_planners.plan import Plan, Strategy
 from osdp_planners.torch_private import register_fake_backend
-from osdp_platform.apply import Meshes, apply_plan
-from osdp_platform.local_plan import plan_recipe
-from osdp_platform.memory import measure_step_peak
-from osdp_platform.models import build_model
-from osdp_platform.recipe import Recipe
-from osdp_platform.recipe_loader import load_recipe
-from osdp_platform.step import build_optimizer, train_step
-from osdp_platform.worker_env import worker_env
+from osdp_platform.planning.local import plan_recipe
+from osdp_platform.recipe.loader import load_recipe
+from osdp_platform.recipe.schema import Recipe
+from osdp_platform.runtime.apply import Meshes, apply_plan
+from osdp_platform.runtime.memory import measure_step_peak
+from osdp_platform.runtime.models import build_model
+from osdp_platform.runtime.step import build_optimizer, train_step
+from osdp_platform.runtime.worker_env import worker_env
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gpu_fake_rank.json"
 MIB = 1024**2

@@ -2,7 +2,7 @@
 
 One rank of `--world` runs in this process with a fake process group (real FSDP2 sharding, no
 collectives) and builds the recipe's model exactly as a Ray Train worker does
-(`osdp_platform.models.build_sharded`), on CPU. Reports the peak RSS the build added next to the
+(`osdp_platform.runtime.models.build_sharded`), on CPU. Reports the peak RSS the build added next to the
 rank's shards, the largest unit (what meta_init holds in full at a time) and the whole fp32 model.
 Writes benchmarks/results/meta_init_memory.json. Example (Llama-2-7B, rank 0 of 8, ~4 GiB, ~1 min):
   .venv/bin/python benchmarks/meta_init_memory.py recipes/llama.yaml planner.name=zero3 --world 8
@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from osdp_planners.torch_private import register_fake_backend
-from osdp_platform.models import build_model, build_sharded
-from osdp_platform.planning import plan_recipe
-from osdp_platform.recipe_loader import load_recipe
+from osdp_platform.planning.local import plan_recipe
+from osdp_platform.recipe.loader import load_recipe
+from osdp_platform.runtime.models import build_model, build_sharded
 
 RESULTS = Path(__file__).resolve().parent / "results" / "meta_init_memory.json"
 MIB = 1024**2

@@ -20,8 +20,8 @@ from osdp_planners.options import SPLITS, Option
 from osdp_planners.osdp import batch_candidates
 from osdp_planners.plan import Plan, Strategy
 from osdp_planners.request import PlanRequest
-from osdp_platform.planning import plan_recipe, plan_request
-from osdp_platform.recipe_loader import load_recipe
+from osdp_platform.planning.local import plan_recipe, plan_request
+from osdp_platform.recipe.loader import load_recipe
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

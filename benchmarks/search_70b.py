@@ -20,9 +20,9 @@ from typing import Any
 
 import osdp_planners.osdp as osdp
 from osdp_planners import build_context
-from osdp_platform.models import build_model
-from osdp_platform.planning import plan_request
-from osdp_platform.recipe_loader import load_recipe
+from osdp_platform.planning.local import plan_request
+from osdp_platform.recipe.loader import load_recipe
+from osdp_platform.runtime.models import build_model
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "search_70b.json"

@@ -3,7 +3,7 @@
 Plans every cell in this process with the shipped planner (benchmarks/cells.py), then starts one
 TorchTrainer per world size whose loop builds every unique plan of a shape once and steps them in
 interleaved rounds: in each round every plan takes a short turn (odd rounds in reverse order), each
-step timed as the worker loop times a step (`osdp_platform.worker.timed_step`), a turn measured by
+step timed as the worker loop times a step (`osdp_platform.runtime.worker.timed_step`), a turn measured by
 its median step. Adds the operator-splitting sweep, the paper's setups predicted with presets, the
 search-time benchmark's last result and the issue's `submit` check, and writes benchmarks/RESULTS.md,
 benchmarks/results/side_by_side.json and PNGs.
@@ -33,16 +33,16 @@ from torch import nn
 from osdp_planners.errors import UserError
 from osdp_planners.local_ranks import pin_to_core
 from osdp_planners.plan import Plan
-from osdp_platform.apply import Meshes, apply_plan
-from osdp_platform.data import BatchSampler, load_tokens
-from osdp_platform.models import build_model
-from osdp_platform.planning import plan_recipe
-from osdp_platform.recipe import Recipe
-from osdp_platform.recipe_loader import load_recipe
-from osdp_platform.step import build_optimizer, train_step
-from osdp_platform.submit import submit
-from osdp_platform.tracking import Metric
-from osdp_platform.worker import memory_probe_steps, timed_step
+from osdp_platform.driver.submit import submit
+from osdp_platform.planning.local import plan_recipe
+from osdp_platform.recipe.loader import load_recipe
+from osdp_platform.recipe.schema import Recipe
+from osdp_platform.runtime.apply import Meshes, apply_plan
+from osdp_platform.runtime.data import BatchSampler, load_tokens
+from osdp_platform.runtime.models import build_model
+from osdp_platform.runtime.step import build_optimizer, train_step
+from osdp_platform.runtime.worker import memory_probe_steps, timed_step
+from osdp_platform.tracking.runs import Metric
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

@@ -1,6 +1,6 @@
 """The single-process reference every sharded plan is checked against: one unsharded model and a plain
 torch optimizer fed each step's whole global batch. Written with plain torch on purpose, so that it
-shares nothing with the shipped step (osdp_platform.step) it checks."""
+shares nothing with the shipped step (osdp_platform.runtime.step) it checks."""
 
 from collections.abc import Callable
 
@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from osdp_platform.data import BatchSampler, load_tokens
-from osdp_platform.recipe import Recipe
+from osdp_platform.recipe.schema import Recipe
+from osdp_platform.runtime.data import BatchSampler, load_tokens
 
 
 def reference_run(

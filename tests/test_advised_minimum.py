@@ -2,7 +2,7 @@
 
 For each zoo family's tiny shape: plan under a budget far too small, read the minimum the error
 advises, plan at exactly that budget, and train the plan for real on 2 gloo workers, measuring
-each rank's peak with the platform's own step measurement (platform/osdp_platform/memory.py).
+each rank's peak with the platform's own step measurement (platform/osdp_platform/runtime/memory.py).
 """
 
 import re
@@ -17,14 +17,14 @@ from ray.util.queue import Queue
 from helpers import RECIPES
 from osdp_planners.errors import UserError
 from osdp_planners.plan import Plan
-from osdp_platform.apply import apply_plan
-from osdp_platform.data import BatchSampler, load_tokens
-from osdp_platform.memory import measure_step_peak
-from osdp_platform.models import build_model
-from osdp_platform.planning import plan_recipe
-from osdp_platform.recipe import Recipe
-from osdp_platform.recipe_loader import load_recipe
-from osdp_platform.step import build_optimizer, train_step
+from osdp_platform.planning.local import plan_recipe
+from osdp_platform.recipe.loader import load_recipe
+from osdp_platform.recipe.schema import Recipe
+from osdp_platform.runtime.apply import apply_plan
+from osdp_platform.runtime.data import BatchSampler, load_tokens
+from osdp_platform.runtime.memory import measure_step_peak
+from osdp_platform.runtime.models import build_model
+from osdp_platform.runtime.step import build_optimizer, train_step
 
 pytestmark = pytest.mark.heavy
 

@@ -31,13 +31,13 @@ from osdp_planners.plan import Plan, Strategy
 from osdp_planners.profile import profile_model
 from osdp_planners.uniform import group_size
 from osdp_planners.units import ROOT, find_units
-from osdp_platform.apply import apply_plan
-from osdp_platform.cli import EXIT_USER_ERROR, main
-from osdp_platform.data import BatchSampler, load_tokens
-from osdp_platform.models import build_model
-from osdp_platform.planning import plan_request
-from osdp_platform.recipe import ModelSection, Recipe
-from osdp_platform.step import build_optimizer, train_step
+from osdp_platform.driver.cli import EXIT_USER_ERROR, main
+from osdp_platform.planning.local import plan_request
+from osdp_platform.recipe.schema import ModelSection, Recipe
+from osdp_platform.runtime.apply import apply_plan
+from osdp_platform.runtime.data import BatchSampler, load_tokens
+from osdp_platform.runtime.models import build_model
+from osdp_platform.runtime.step import build_optimizer, train_step
 
 pytestmark = pytest.mark.heavy
 

@@ -17,8 +17,8 @@ import pytest
 import ray
 
 from helpers import RECIPES
-from osdp_platform.cli import EXIT_USER_ERROR, main
-from osdp_platform.data import TokenFiles
+from osdp_platform.driver.cli import EXIT_USER_ERROR, main
+from osdp_platform.runtime.data import TokenFiles
 
 TINY = str(RECIPES / "tiny.yaml")
 TEXT = "It was the best of times, it was the worst of times, it was the age of wisdom. " * 20

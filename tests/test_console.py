@@ -10,9 +10,9 @@ from helpers import RECIPES
 SCRIPT = f"""
 import sys, warnings
 import ray
-from osdp_platform.cli import _quiet
-from osdp_platform.cluster import connect
-from osdp_platform.recipe_loader import load_recipe
+from osdp_platform.driver.cli import _quiet
+from osdp_platform.driver.cluster import connect
+from osdp_platform.recipe.loader import load_recipe
 
 @ray.remote(num_cpus=0)
 def noisy():

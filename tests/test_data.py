@@ -13,12 +13,12 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from helpers import RECIPES
 from osdp_planners.errors import UserErrors
-from osdp_platform.cli import EXIT_USER_ERROR, main
-from osdp_platform.data import CORPUS_PATH, BatchSampler, Tokens, load_tokens
-from osdp_platform.planning import plan_request
-from osdp_platform.recipe_loader import load_recipe
-from osdp_platform.submit import submit
-from osdp_platform.tokenizer import BPE_PATH, SHIPPED_BPE_VOCAB
+from osdp_platform.driver.cli import EXIT_USER_ERROR, main
+from osdp_platform.driver.submit import submit
+from osdp_platform.planning.local import plan_request
+from osdp_platform.recipe.loader import load_recipe
+from osdp_platform.runtime.data import CORPUS_PATH, BatchSampler, Tokens, load_tokens
+from osdp_platform.runtime.tokenizer import BPE_PATH, SHIPPED_BPE_VOCAB
 
 SEQ_LEN = 16
 

@@ -30,12 +30,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from osdp_planners.plan import Plan, Strategy, UnitPlan
 from osdp_planners.uniform import group_size, uniform_plan
-from osdp_platform.apply import PlanMismatch, apply_plan
-from osdp_platform.data import BatchSampler, load_tokens
-from osdp_platform.models import build_model, build_sharded
-from osdp_platform.planning import plan_request
-from osdp_platform.recipe import ModelSection, Recipe
-from osdp_platform.step import build_optimizer, train_step
+from osdp_platform.planning.local import plan_request
+from osdp_platform.recipe.schema import ModelSection, Recipe
+from osdp_platform.runtime.apply import PlanMismatch, apply_plan
+from osdp_platform.runtime.data import BatchSampler, load_tokens
+from osdp_platform.runtime.models import build_model, build_sharded
+from osdp_platform.runtime.step import build_optimizer, train_step
 
 pytestmark = pytest.mark.heavy
 

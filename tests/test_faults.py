@@ -1,11 +1,11 @@
-"""A fault inside Ray reaches the CLI as its innermost cause (platform/osdp_platform/faults.py)."""
+"""A fault inside Ray reaches the CLI as its innermost cause (platform/osdp_platform/driver/faults.py)."""
 
 import pytest
 import ray
 from ray.train import ControllerError, WorkerGroupError
 
 from osdp_planners.errors import NoPlanFits, UserError
-from osdp_platform.faults import one_line, root_cause
+from osdp_platform.driver.faults import one_line, root_cause
 
 
 @ray.remote

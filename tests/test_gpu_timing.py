@@ -34,9 +34,9 @@ from osdp_planners.profile import Linear1
 from osdp_planners.runtime import make_optimizer
 from osdp_planners.time_model import unit_time
 from osdp_planners.units import ROOT, find_units
-from osdp_platform.models import build_model
-from osdp_platform.recipe import ModelSection
-from osdp_platform.report import comparison
+from osdp_platform.recipe.schema import ModelSection
+from osdp_platform.runtime.models import build_model
+from osdp_platform.tracking.report import comparison
 
 
 class _Lm(nn.Module):

@@ -9,9 +9,10 @@ from pathlib import Path
 import ray
 from mlflow.tracking import MlflowClient
 
-from osdp_platform.checkpoint import CheckpointSaved
-from osdp_platform.inbox import MetricsInbox, MetricsPump, MetricsSender, NodeSample, StepReport
-from osdp_platform.tracking import RunTracker, Tag
+from osdp_platform.driver.pump import MetricsPump
+from osdp_platform.runtime.checkpoint import CheckpointSaved
+from osdp_platform.runtime.inbox import MetricsInbox, MetricsSender, NodeSample, StepReport
+from osdp_platform.tracking.runs import RunTracker, Tag
 
 STEPS = 7
 CHECKPOINT_AFTER = (2, 5)  # steps after which a checkpoint is stored

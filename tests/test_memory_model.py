@@ -18,7 +18,7 @@ from osdp_planners.plan import Plan, Strategy
 from osdp_planners.profile import profile_model
 from osdp_planners.request import PlanRequest
 from osdp_planners.uniform import uniform_plan
-from osdp_platform.fake_rank import measure_fake_rank
+from osdp_platform.runtime.fake_rank import measure_fake_rank
 from osdp_platform.zoo import build_zoo_model
 
 WORLD, BATCH, SEQ = 4, 4, 64

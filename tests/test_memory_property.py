@@ -24,7 +24,7 @@ from osdp_planners.profile import ModelProfile, profile_model
 from osdp_planners.request import PlanRequest
 from osdp_planners.uniform import make_plan
 from osdp_planners.units import find_units
-from osdp_platform.fake_rank import measure_fake_rank
+from osdp_platform.runtime.fake_rank import measure_fake_rank
 from osdp_platform.zoo import build_zoo_model
 
 SEQ = 32

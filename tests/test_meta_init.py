@@ -20,10 +20,10 @@ from torch import nn
 
 from osdp_planners.plan import Plan, Strategy
 from osdp_planners.uniform import group_size, uniform_plan
-from osdp_platform.meta_init import InitProtocol, UninitialisedParameter, initialize
-from osdp_platform.models import build_model
-from osdp_platform.planning import plan_request
-from osdp_platform.recipe import ModelSection, Recipe
+from osdp_platform.planning.local import plan_request
+from osdp_platform.recipe.schema import ModelSection, Recipe
+from osdp_platform.runtime.meta_init import InitProtocol, UninitialisedParameter, initialize
+from osdp_platform.runtime.models import build_model
 from osdp_platform.zoo import build_zoo_model
 
 GPT2 = {"family": "gpt2", "size": "tiny", "kwargs": {"n_layers": 2}}  # head tied to the embedding
@@ -103,7 +103,7 @@ def check_rank(world: int, rank: int) -> list[str]:
 
     register_fake_backend()
 
-    from osdp_platform.models import build_sharded
+    from osdp_platform.runtime.models import build_sharded
 
     dist.init_process_group("fake", rank=rank, world_size=world, store=dist.HashStore())
     wrong = []
@@ -138,7 +138,7 @@ def peak_rss_building(world: int) -> dict[str, int]:
 
     register_fake_backend()
 
-    from osdp_platform.models import build_sharded
+    from osdp_platform.runtime.models import build_sharded
 
     torch.set_num_threads(1)
     dist.init_process_group("fake", rank=0, world_size=world, store=dist.HashStore())

@@ -12,8 +12,8 @@ import pytest
 
 from helpers import RECIPES
 from osdp_planners.errors import UserErrors
-from osdp_platform.cluster import pool_request
-from osdp_platform.recipe_loader import load_recipe
+from osdp_platform.driver.cluster import pool_request
+from osdp_platform.recipe.loader import load_recipe
 
 
 @pytest.mark.parametrize(
@@ -70,8 +70,8 @@ def test_a_local_run_provides_the_pool_for_every_worker(tmp_path: Path) -> None:
     # In a subprocess: the test session's own Ray is already initialised in this process.
     code = (
         "import ray\n"
-        "from osdp_platform.cluster import connect\n"
-        "from osdp_platform.recipe_loader import load_recipe\n"
+        "from osdp_platform.driver.cluster import connect\n"
+        "from osdp_platform.recipe.loader import load_recipe\n"
         f"recipe = load_recipe({str(RECIPES / 'tiny.yaml')!r}, ['hardware.pool=LOCAL_POOL', "
         "'hardware.workers_per_node=3'])\n"
         "connect(recipe, None)\n"

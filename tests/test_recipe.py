@@ -7,8 +7,8 @@ import pytest
 
 from helpers import CLI, RECIPES
 from osdp_planners.errors import UserError, UserErrors
-from osdp_platform.planning import plan_request
-from osdp_platform.recipe_loader import flatten, load_recipe
+from osdp_platform.planning.local import plan_request
+from osdp_platform.recipe.loader import flatten, load_recipe
 
 
 def write(path: Path, text: str) -> Path:

@@ -6,17 +6,17 @@ import pytest
 
 from helpers import RECIPES, REPO
 from osdp_planners.hardware import PRESETS
-from osdp_platform import recipe_docs
-from osdp_platform.cli import EXIT_USER_ERROR, main
-from osdp_platform.recipe import Recipe
+from osdp_platform.driver.cli import EXIT_USER_ERROR, main
+from osdp_platform.recipe import docs as recipe_docs
+from osdp_platform.recipe.schema import Recipe
 from osdp_platform.zoo import zoo_sizes
 
 
 def test_readme_reference_matches_the_schema() -> None:
     readme = REPO / "README.md"
     assert recipe_docs.current_block(readme) == recipe_docs.readme_block(), (
-        "README.md's recipe reference differs from platform/osdp_platform/recipe.py: run `make docs` "
-        "(or .venv/bin/python -m osdp_platform.recipe_docs --write README.md) and commit the result"
+        "README.md's recipe reference differs from platform/osdp_platform/recipe/schema.py: run `make docs` "
+        "(or .venv/bin/python -m osdp_platform.recipe.docs --write README.md) and commit the result"
     )
 
 
@@ -28,7 +28,7 @@ def test_every_recipe_field_has_a_description() -> None:
         if not key.meaning
     ]
     missing += [name for name, info in Recipe.model_fields.items() if not info.description]
-    assert not missing, f"add Field(description=...) in platform/osdp_platform/recipe.py for {missing}"
+    assert not missing, f"add Field(description=...) in platform/osdp_platform/recipe/schema.py for {missing}"
 
 
 def _keys() -> dict[str, recipe_docs.Key]:

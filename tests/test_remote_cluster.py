@@ -18,7 +18,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from helpers import CLI, RECIPES
-from osdp_platform.cli import main
+from osdp_platform.driver.cli import main
 from ray_head import FAKE_HEAD_NODE_ID, RayHead, client_env, start_head
 
 pytestmark = pytest.mark.heavy

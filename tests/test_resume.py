@@ -18,12 +18,12 @@ from mlflow.tracking import MlflowClient
 from helpers import RECIPES
 from osdp_planners.plan import Strategy
 from osdp_planners.uniform import uniform_plan
-from osdp_platform.cli import EXIT_USER_ERROR, main
-from osdp_platform.models import build_model
-from osdp_platform.planning import plan_request
-from osdp_platform.recipe_loader import load_recipe
-from osdp_platform.submit import RunSummary, submit
-from osdp_platform.worker import train_loop
+from osdp_platform.driver.cli import EXIT_USER_ERROR, main
+from osdp_platform.driver.submit import RunSummary, submit
+from osdp_platform.planning.local import plan_request
+from osdp_platform.recipe.loader import load_recipe
+from osdp_platform.runtime.models import build_model
+from osdp_platform.runtime.worker import train_loop
 
 pytestmark = pytest.mark.heavy
 

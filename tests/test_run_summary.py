@@ -3,8 +3,8 @@
 import statistics
 
 from osdp_planners.plan import Plan, Strategy, UnitPlan
-from osdp_platform.submit import RunSummary
-from osdp_platform.worker import memory_probe_steps
+from osdp_platform.driver.submit import RunSummary
+from osdp_platform.runtime.worker import memory_probe_steps
 
 PLAN = Plan(
     planner="ddp",

@@ -7,13 +7,13 @@ from torch.distributed.fsdp import FSDPModule
 
 from helpers import RECIPES
 from osdp_planners.loss import lm_loss, logits_of
-from osdp_platform.data import BatchSampler, load_tokens
-from osdp_platform.memory import measure_step_peak
-from osdp_platform.models import build_model, build_sharded
-from osdp_platform.planning import plan_recipe
-from osdp_platform.recipe import Recipe
-from osdp_platform.recipe_loader import load_recipe
-from osdp_platform.step import build_optimizer, train_step
+from osdp_platform.planning.local import plan_recipe
+from osdp_platform.recipe.loader import load_recipe
+from osdp_platform.recipe.schema import Recipe
+from osdp_platform.runtime.data import BatchSampler, load_tokens
+from osdp_platform.runtime.memory import measure_step_peak
+from osdp_platform.runtime.models import build_model, build_sharded
+from osdp_platform.runtime.step import build_optimizer, train_step
 
 STEPS = 3
 

@@ -8,8 +8,8 @@ from mlflow.tracking import MlflowClient
 
 from helpers import RECIPES, MlflowServer
 from osdp_planners.errors import UserError
-from osdp_platform.cli import EXIT_USER_ERROR, main
-from osdp_platform.sweep import expand
+from osdp_platform.driver.cli import EXIT_USER_ERROR, main
+from osdp_platform.driver.sweep import expand
 
 pytestmark = pytest.mark.heavy
 

@@ -20,13 +20,13 @@ from rich.console import Console
 
 from helpers import CLI, RECIPES, MlflowServer, free_port
 from osdp_planners.plan import Plan
-from osdp_platform.cli import EXIT_USER_ERROR, main
-from osdp_platform.planning import plan_recipe
-from osdp_platform.recipe_loader import load_recipe
-from osdp_platform.report import step_time
-from osdp_platform.submit import submit
-from osdp_platform.tracking import PENDING_DIR, RunKind, RunTracker
-from osdp_platform.worker import train_loop
+from osdp_platform.driver.cli import EXIT_USER_ERROR, main
+from osdp_platform.driver.submit import submit
+from osdp_platform.planning.local import plan_recipe
+from osdp_platform.recipe.loader import load_recipe
+from osdp_platform.runtime.worker import train_loop
+from osdp_platform.tracking.report import step_time
+from osdp_platform.tracking.runs import PENDING_DIR, RunKind, RunTracker
 
 pytestmark = pytest.mark.heavy
 

@@ -16,17 +16,17 @@ from ray.util.queue import Queue
 
 from helpers import RECIPES
 from osdp_planners.plan import Plan
-from osdp_platform.apply import apply_plan
-from osdp_platform.cli import EXIT_USER_ERROR, main
-from osdp_platform.data import BatchSampler, load_tokens
-from osdp_platform.models import build_model
-from osdp_platform.planning import plan_recipe
-from osdp_platform.recipe import Recipe
-from osdp_platform.recipe_loader import load_recipe
-from osdp_platform.step import build_optimizer, train_step
-from osdp_platform.submit import submit
-from osdp_platform.worker import timed_step, train_loop
-from osdp_platform.worker_env import WORKER_ENV_DEFAULTS
+from osdp_platform.driver.cli import EXIT_USER_ERROR, main
+from osdp_platform.driver.submit import submit
+from osdp_platform.planning.local import plan_recipe
+from osdp_platform.recipe.loader import load_recipe
+from osdp_platform.recipe.schema import Recipe
+from osdp_platform.runtime.apply import apply_plan
+from osdp_platform.runtime.data import BatchSampler, load_tokens
+from osdp_platform.runtime.models import build_model
+from osdp_platform.runtime.step import build_optimizer, train_step
+from osdp_platform.runtime.worker import timed_step, train_loop
+from osdp_platform.runtime.worker_env import WORKER_ENV_DEFAULTS
 
 pytestmark = pytest.mark.heavy
 

@@ -344,7 +344,7 @@ def _full_order(order: list[str], blocks: tuple[str, int] | None) -> list[tuple[
 
 
 def _apply_variant(model: nn.Module, units: list[Unit], variant: Variant, live: set[str]) -> None:
-    """Split and checkpoint every unit's modules as the runtime would (platform/osdp_platform/apply.py)."""
+    """Split and checkpoint every unit's modules as the runtime would (platform/osdp_platform/runtime/apply.py)."""
     for u in units:
         if u.name == ROOT:
             continue

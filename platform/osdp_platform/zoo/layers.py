@@ -212,7 +212,7 @@ class ZooModel(nn.Module):
         """Reset `module`'s own parameters from the global RNG: norms -> ones, biases -> zeros, the rest -> normal.
 
         The rules go by module kind and parameter name, one module at a time, so a model built on meta
-        can be initialised shard by shard in the same RNG order (see osdp_platform.meta_init), and they
+        can be initialised shard by shard in the same RNG order (see osdp_platform.runtime.meta_init), and they
         still apply after Linears are swapped for split replacements.
         """
         for name, param in module.named_parameters(recurse=False):

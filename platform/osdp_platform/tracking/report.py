@@ -22,7 +22,7 @@ from osdp_planners.evaluate import evaluate
 from osdp_planners.options import Option
 from osdp_planners.plan import Plan, UnitPlan
 from osdp_planners.time_model import optimizer_seconds, unit_time
-from osdp_platform.tracking import RunTracker
+from osdp_platform.tracking.runs import RunTracker
 
 MIB = 1024**2
 

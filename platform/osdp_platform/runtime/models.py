@@ -20,9 +20,9 @@ from torch import nn
 from osdp_planners.errors import UserError
 from osdp_planners.plan import Plan
 from osdp_planners.torch_private import detect_fake_mode
-from osdp_platform.apply import Meshes, apply_plan
-from osdp_platform.meta_init import init_protocol, initialize, scatter_into
-from osdp_platform.recipe import ModelSection
+from osdp_platform.recipe.schema import ModelSection
+from osdp_platform.runtime.apply import Meshes, apply_plan
+from osdp_platform.runtime.meta_init import init_protocol, initialize, scatter_into
 from osdp_platform.zoo import zoo_module, zoo_sizes
 
 

@@ -1,7 +1,7 @@
 """CPU, memory and GPU use of every node of the Ray cluster during a run, sampled on the node itself.
 
 One sampler actor per node, taking no CPU slot, so it never keeps a worker from being placed; it
-pushes samples to the driver's inbox (inbox.py), which the driver writes to MLflow under MLflow's
+pushes samples to the driver's inbox (runtime/inbox.py), which the driver writes to MLflow under MLflow's
 names for system metrics. psutil gives CPU and memory; NVML (nvidia-ml-py) each GPU's utilisation
 and memory where it finds GPUs. Nodes an autoscaler adds during the run get a sampler when seen.
 """
@@ -15,7 +15,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from osdp_platform.inbox import NodeSample
+from osdp_platform.runtime.inbox import NodeSample
 
 SAMPLE_EVERY_S = 10.0
 FIRST_SAMPLE_AFTER_S = 1.0  # CPU utilisation is measured between two readings

@@ -16,8 +16,8 @@ from pathlib import Path
 from rich.console import Console
 
 from osdp_planners.errors import UserError, UserErrors
-from osdp_platform.faults import one_line, root_cause
-from osdp_platform.recipe_loader import load_recipe
+from osdp_platform.driver.faults import one_line, root_cause
+from osdp_platform.recipe.loader import load_recipe
 
 EXIT_FAULT = 1  # a fault at run time (a worker crashed, a node went away), not a mistake in the recipe
 EXIT_USER_ERROR = 2
@@ -102,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _store(uri: str | None) -> str:
-    from osdp_platform.recipe import TrackingSection
+    from osdp_platform.recipe.schema import TrackingSection
 
     return TrackingSection(uri=uri).resolved_uri
 
@@ -134,10 +134,10 @@ def _ui(uri: str, host: str, port: int, console: Console) -> int:
 
 
 def _plan(args: argparse.Namespace, console: Console) -> int:
-    from osdp_platform.planning import plan_recipe
-    from osdp_platform.preflight import Where, preflight
-    from osdp_platform.report import log_report, print_report
-    from osdp_platform.tracking import RunKind, RunTracker, check_reachable
+    from osdp_platform.planning.local import plan_recipe
+    from osdp_platform.recipe.preflight import Where, preflight
+    from osdp_platform.tracking.report import log_report, print_report
+    from osdp_platform.tracking.runs import RunKind, RunTracker, check_reachable
 
     recipe = load_recipe(args.recipe, args.overrides)
     preflight(recipe, Where.NOWHERE)
@@ -163,9 +163,9 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
 def _validate(args: argparse.Namespace, console: Console) -> int:
     from rich.markdown import Markdown
 
-    from osdp_platform.preflight import Where, preflight
-    from osdp_platform.recipe_docs import render_markdown
-    from osdp_platform.recipe_loader import recipe_to_yaml
+    from osdp_platform.recipe.docs import render_markdown
+    from osdp_platform.recipe.loader import recipe_to_yaml
+    from osdp_platform.recipe.preflight import Where, preflight
 
     if args.recipe is None:
         if not args.explain:
@@ -183,7 +183,7 @@ def _validate(args: argparse.Namespace, console: Console) -> int:
 
 
 def _prepare(args: argparse.Namespace, console: Console) -> int:
-    from osdp_platform.data import TokenFiles
+    from osdp_platform.runtime.data import TokenFiles
 
     prepared = TokenFiles.prepare([Path(f) for f in args.files], args.tokenizer, Path(args.out))
     console.print(
@@ -197,8 +197,8 @@ def _prepare(args: argparse.Namespace, console: Console) -> int:
 
 def _as_job(args: argparse.Namespace, console: Console) -> int:
     """submit / sweep with a Jobs API address: the same command runs on the cluster as the job's driver."""
-    from osdp_platform.preflight import Where, preflight
-    from osdp_platform.remote import submit_job
+    from osdp_platform.driver.remote import submit_job
+    from osdp_platform.recipe.preflight import Where, preflight
 
     if args.command == "sweep":
         name, options = Path(args.recipe).stem, ["--format", args.format]
@@ -214,15 +214,15 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     if args.command == "prepare":
         return _prepare(args, console)
     if args.command == "compare":
-        from osdp_platform.compare import compare
+        from osdp_platform.tracking.compare import compare
 
         compare(_store(args.uri), args.run_ids, args.experiment, args.format, console, record=args.log, wide=args.wide)
         return 0
     if args.command == "ui":
         return _ui(_store(args.uri), args.host, args.port, console)
     if args.command == "sync":
-        from osdp_platform.submit import warn_on
-        from osdp_platform.tracking import RunTracker
+        from osdp_platform.driver.submit import warn_on
+        from osdp_platform.tracking.runs import RunTracker
 
         done = RunTracker.sync(Path(args.folder), warn_on(console))
         console.print("uploaded" if done else "the server stopped answering; run sync again", markup=False)
@@ -232,21 +232,21 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     if args.command == "plan":
         return _plan(args, console)
     if args.command in ("submit", "sweep"):
-        from osdp_platform.remote import is_jobs_api
+        from osdp_platform.driver.remote import is_jobs_api
 
         args.address = args.address or os.environ.get("RAY_ADDRESS")
         if args.address and is_jobs_api(args.address):
             return _as_job(args, console)
     if args.command == "sweep":
-        from osdp_platform.sweep import sweep
+        from osdp_platform.driver.sweep import sweep
 
         sweep(args.recipe, args.overrides, args.address, console, args.format, args.verbose)
         return 0
     recipe = load_recipe(args.recipe, args.overrides)
-    from osdp_platform.preflight import preflight, where_it_runs
+    from osdp_platform.recipe.preflight import preflight, where_it_runs
 
     preflight(recipe, where_it_runs(args.address))  # before Ray and the training modules are even imported
-    from osdp_platform.submit import ray_logs_hint, submit
+    from osdp_platform.driver.submit import ray_logs_hint, submit
 
     if not args.verbose:
         ray_logs_hint(console)

@@ -19,13 +19,13 @@ from osdp_planners.hardware import get_preset
 from osdp_planners.local_ranks import pin_to_core
 from osdp_planners.mfu import mfu, model_shape
 from osdp_planners.plan import Plan
-from osdp_platform.checkpoint import CheckpointSaved, restore, save_and_report, should_save
-from osdp_platform.data import BatchSampler, load_tokens
-from osdp_platform.inbox import MetricsSender, StepReport, WorkersStarted
-from osdp_platform.memory import measure_step_peak, reserved_peak
-from osdp_platform.models import build_sharded
-from osdp_platform.recipe import Recipe
-from osdp_platform.step import Batch, build_optimizer, train_step
+from osdp_platform.recipe.schema import Recipe
+from osdp_platform.runtime.checkpoint import CheckpointSaved, restore, save_and_report, should_save
+from osdp_platform.runtime.data import BatchSampler, load_tokens
+from osdp_platform.runtime.inbox import MetricsSender, StepReport, WorkersStarted
+from osdp_platform.runtime.memory import measure_step_peak, reserved_peak
+from osdp_platform.runtime.models import build_sharded
+from osdp_platform.runtime.step import Batch, build_optimizer, train_step
 
 MAX_RANKS_LOGGED = 16  # per-rank metrics beyond this would flood the tracking store
 

@@ -12,7 +12,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from osdp_planners.errors import UserError
-from osdp_platform.recipe import HardwareSection, Recipe
+from osdp_platform.recipe.schema import HardwareSection, Recipe
 
 
 def pool_request(hw: HardwareSection) -> dict[str, float]:

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from osdp_planners.errors import UserError, UserErrors
-from osdp_platform.recipe import FieldProblem, Recipe
+from osdp_platform.recipe.schema import FieldProblem, Recipe
 
 MAX_EXTENDS_DEPTH = 8
 
@@ -122,7 +122,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
         recipe = Recipe.model_validate(data)
     except ValidationError as exc:
         raise _to_user_errors(str(path), exc) from None
-    from osdp_platform.data import check_vocab  # reads the tokenizer: only for a recipe that is valid so far
+    from osdp_platform.runtime.data import check_vocab  # reads the tokenizer: only for a recipe that is valid so far
 
     check_vocab(recipe)
     return recipe

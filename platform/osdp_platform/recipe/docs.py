@@ -1,7 +1,7 @@
-"""The recipe reference, rendered from the schema (recipe.py), so the README cannot drift from what the loader
+"""The recipe reference, rendered from the schema (recipe/schema.py), so the README cannot drift from what the loader
 accepts: every key with its type, bounds, default and the field's own description.
 
-`make docs` (`python -m osdp_platform.recipe_docs --write README.md`) rewrites the README's block between
+`make docs` (`python -m osdp_platform.recipe.docs --write README.md`) rewrites the README's block between
 the markers; tests/test_recipe_docs.py fails while that block is stale; `osdp-platform validate --explain`
 prints the same reference in the terminal.
 """
@@ -18,13 +18,13 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from osdp_platform.recipe import Recipe
+from osdp_platform.recipe.schema import Recipe
 
 START = "<!-- recipe-reference:start -->"
 END = "<!-- recipe-reference:end -->"
 REGENERATE = "make docs"
 _NOTE = (
-    "<!-- generated from platform/osdp_platform/recipe.py: "
+    "<!-- generated from platform/osdp_platform/recipe/schema.py: "
     f"edit the Field descriptions there, then run `{REGENERATE}` -->"
 )
 # pydantic's constraint metadata (annotated-types objects): attribute -> comparison, read as `type > bound`
@@ -178,7 +178,7 @@ def write_readme(path: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m osdp_platform.recipe_docs", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m osdp_platform.recipe.docs", description=__doc__)
     parser.add_argument(
         "--write",
         metavar="README",

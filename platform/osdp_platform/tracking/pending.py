@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-Write = dict[str, Any]  # {"kind": "metrics" | "tags" | "text" | "file" | "end", ...} (see tracking.py)
+Write = dict[str, Any]  # {"kind": "metrics" | "tags" | "text" | "file" | "end", ...} (see tracking/runs.py)
 
 WRITES = "writes.jsonl"
 RUN = "run.json"

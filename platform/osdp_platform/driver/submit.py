@@ -15,16 +15,19 @@ from rich.table import Table
 
 from osdp_planners import PlanResult
 from osdp_planners.plan import Plan
-from osdp_platform.checkpoint import check_resumable, find_resume_point
-from osdp_platform.cluster import beside_the_driver, check_cluster, connect, pool_request
-from osdp_platform.inbox import MetricsInbox, MetricsPump
-from osdp_platform.planning import plan_on_sample_worker, profile_json
-from osdp_platform.recipe import Recipe
-from osdp_platform.report import log_report
-from osdp_platform.system_metrics import NodeSamplers
-from osdp_platform.tracking import Metric, RunKind, RunTracker, check_reachable
-from osdp_platform.worker import WorkerConfig, train_loop
-from osdp_platform.worker_env import worker_env
+from osdp_planners.units import structure_hash
+from osdp_platform.driver.cluster import beside_the_driver, check_cluster, connect, pool_request
+from osdp_platform.driver.pump import MetricsPump
+from osdp_platform.driver.resume import check_resumable, find_resume_point
+from osdp_platform.driver.system_metrics import NodeSamplers
+from osdp_platform.planning.sample_worker import plan_on_sample_worker, profile_json
+from osdp_platform.recipe.schema import Recipe
+from osdp_platform.runtime.inbox import MetricsInbox
+from osdp_platform.runtime.models import build_model
+from osdp_platform.runtime.worker import WorkerConfig, train_loop
+from osdp_platform.runtime.worker_env import worker_env
+from osdp_platform.tracking.report import log_report
+from osdp_platform.tracking.runs import Metric, RunKind, RunTracker, check_reachable
 
 RANK_PEAK_PREFIX = "peak_memory_bytes/rank"  # the worker's per-rank peaks (worker.StepMetrics)
 
@@ -175,6 +178,8 @@ def submit(
     """
     console = console or Console()
     point = find_resume_point(recipe, resume) if resume else None
+    if point is not None:  # another model is refused here, before a planner actor starts for it
+        check_resumable(point, recipe, structure_hash(build_model(recipe.model, "meta")))
     check_reachable(recipe.tracking.resolved_uri)
     connect(recipe, address, verbose)
     check_cluster(recipe)
@@ -182,8 +187,6 @@ def submit(
         console.print(f"[bold]planning[/] {recipe.model.label} with planner {recipe.planner.name} on a sample worker")
         planned = plan_on_sample_worker(recipe)
     plan = planned.plan
-    if point is not None:
-        check_resumable(point, recipe, plan)
     tracker = RunTracker.start(recipe, RunKind.TRAIN, plan, tags, warn=warn_on(console))
     tracker.log_text(profile_json(planned), "profile.json")
     summary = RunSummary(tracker.run_id, plan, first_step=point.step if point else 0)

@@ -11,20 +11,19 @@ polls every worker (every 2 s): a worker that dies sooner after reporting loses 
 would begin again from step 0. So rank 0 also hands each stored folder to the driver's inbox
 (inbox.py), which outlives the workers, and a restart loads the inbox's newest.
 
-How resume finds them: once every rank's files are stored, the driver records the folder and the
-step to continue at on the MLflow run (tracking.py); `submit --resume RUN_ID` reads them back.
-DCP matches tensors by name and reshards on load, so a checkpoint loads under another plan or
-worker count. Operator splitting renames parameters (`x.weight` -> `x.slices.i.weight`): model
-and optimizer state are saved under the unsplit names and cut back into the live slices on load, so a
-resume may also change split factors; `check_resumable` refuses only another model.
+How resume finds them: once every rank's files are stored, the driver records the folder and the step to
+continue at on the MLflow run (tracking/runs.py); `submit --resume RUN_ID` reads them back (driver/resume.py, the
+driver's half: a worker never imports MLflow). DCP matches tensors by name and reshards on load, so a
+checkpoint loads under another plan or worker count. Operator splitting renames parameters (`x.weight` ->
+`x.slices.i.weight`): model and optimizer state are saved under the unsplit names and cut back into the live
+slices on load, so a resume may also change split factors; `resume.check_resumable` refuses only another
+model.
 """
 
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import pyarrow.fs
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -37,11 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from osdp_planners.errors import UserError
-from osdp_planners.plan import Plan
 from osdp_planners.split import SplitLinear
-from osdp_platform.recipe import Recipe
-from osdp_platform.tracking import recorded_checkpoint
 
 
 @dataclass(frozen=True)
@@ -50,27 +45,6 @@ class CheckpointSaved:
 
     step: int  # the step training continues at
     path: str
-
-
-@dataclass(frozen=True)
-class ResumePoint:
-    """The checkpoint `--resume RUN_ID` continues from, as recorded on that MLflow run."""
-
-    run_id: str
-    path: str
-    step: int
-    plan: Plan  # the plan the checkpoint was written under
-
-
-def _is_complete(location: str) -> bool:
-    """Whether a checkpoint folder (path or URI) holds DCP's `.metadata`, which rank 0 writes last."""
-    if "://" not in location:
-        return (Path(location) / ".metadata").is_file()
-    try:
-        fs, path = pyarrow.fs.FileSystem.from_uri(location)
-        return fs.get_file_info(f"{path}/.metadata").type == pyarrow.fs.FileType.File
-    except (OSError, ValueError, pyarrow.ArrowException):
-        return False
 
 
 def should_save(step: int, every: int, steps: int) -> bool:
@@ -198,45 +172,3 @@ def load_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: str) ->
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, optim_split(model, state["optim"], live))
     return int(step)
-
-
-def find_resume_point(recipe: Recipe, run_id: str) -> ResumePoint:
-    """Look up the last checkpoint of MLflow run `run_id` in the recipe's tracking store (before Ray starts)."""
-    recorded = recorded_checkpoint(recipe.tracking.resolved_uri, run_id)
-    if recorded is None:
-        raise UserError(
-            "--resume",
-            run_id,
-            "this run wrote no checkpoint",
-            "resume a run submitted with train.checkpoint_every > 0 that got past its first "
-            "checkpoint, or submit without --resume",
-        )
-    if not _is_complete(recorded.path):
-        raise UserError(
-            "--resume",
-            run_id,
-            f"its checkpoint folder {recorded.path} is gone or incomplete",
-            "restore the checkpoint folder that run wrote (train.checkpoint_dir, default runs/), "
-            "or submit without --resume",
-        )
-    if recipe.train.steps <= recorded.step:
-        raise UserError(
-            "train.steps",
-            recipe.train.steps,
-            f"the checkpoint of run {run_id} is already at step {recorded.step}",
-            f"set train.steps above {recorded.step} to train further",
-        )
-    return ResumePoint(run_id, recorded.path, recorded.step, recorded.plan)
-
-
-def check_resumable(point: ResumePoint, recipe: Recipe, plan: Plan) -> None:
-    """Refuse before training what the checkpoint cannot load into: another model. Any plan, worker count
-    and split factors load it (model and optimizer state are saved under unsplit names)."""
-    if point.plan.structure_hash != plan.structure_hash:
-        raise UserError(
-            "model",
-            recipe.model.label,
-            f"run {point.run_id} trained a model with structure hash {point.plan.structure_hash}, "
-            f"this recipe's model has {plan.structure_hash}",
-            "resume with the same model section as the checkpointed run",
-        )

@@ -29,9 +29,9 @@ from mlflow.utils.mlflow_tags import MLFLOW_GIT_BRANCH, MLFLOW_GIT_COMMIT, MLFLO
 
 from osdp_planners.errors import UserError
 from osdp_planners.plan import Plan, Strategy
-from osdp_platform.pending import PendingWrites, Write
-from osdp_platform.recipe import Recipe
-from osdp_platform.recipe_loader import flatten, recipe_to_yaml
+from osdp_platform.recipe.loader import flatten, recipe_to_yaml
+from osdp_platform.recipe.schema import Recipe
+from osdp_platform.tracking.pending import PendingWrites, Write
 
 MAX_METRICS_PER_BATCH = 1000  # MLflow's limits for one log_batch
 MAX_PARAMS_PER_BATCH = 100

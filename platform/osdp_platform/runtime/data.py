@@ -19,10 +19,10 @@ import numpy as np
 import torch
 
 from osdp_planners.errors import UserError
-from osdp_platform.recipe import DataSection, Recipe
-from osdp_platform.tokenizer import BYTE_VOCAB_SIZE, check_model_vocab, load_tokenizer
+from osdp_platform.recipe.schema import DataSection, Recipe
+from osdp_platform.runtime.tokenizer import BYTE_VOCAB_SIZE, check_model_vocab, load_tokenizer
 
-CORPUS_PATH = Path(__file__).parent / "data" / "corpus.txt"
+CORPUS_PATH = Path(__file__).parents[1] / "data" / "corpus.txt"
 SYNTHETIC_LENGTH = 1 << 16
 MANIFEST = "tokens.json"  # what `prepare` writes beside the token files
 MANIFEST_FORMAT = 1

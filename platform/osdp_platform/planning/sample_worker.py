@@ -1,6 +1,8 @@
-"""Turn a recipe into a plan: locally (the `plan` command) or in the planner actor on a sample worker."""
+"""Plan on a sample worker: the planner actor, placed like one training worker, runs `local.plan_recipe` there."""
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import fields, is_dataclass
 from typing import Any
 
@@ -10,10 +12,9 @@ from ray.exceptions import GetTimeoutError, RayTaskError
 
 from osdp_planners import PlanResult
 from osdp_planners.errors import UserError
-from osdp_platform.cluster import pool_request
-from osdp_platform.local_plan import plan_recipe as plan_recipe
-from osdp_platform.local_plan import plan_request as plan_request
-from osdp_platform.recipe import Recipe
+from osdp_platform.driver.cluster import pool_request
+from osdp_platform.planning.local import plan_recipe
+from osdp_platform.recipe.schema import Recipe
 
 PLANNER_TIMEOUT_S = 600  # for planning, once the actor is placed (hardware.wait_for_nodes_s until then)
 
@@ -82,19 +83,33 @@ def _wait_until_placed(actor: Any, recipe: Recipe) -> None:
         ) from None
 
 
-def plan_on_sample_worker(recipe: Recipe) -> PlanResult:
-    """Place the planner actor like one training worker (same pool), get its plan (with what it was computed from, for
-    the run's charts), and free the worker again."""
+@contextmanager
+def sample_worker(recipe: Recipe) -> Iterator[Any]:
+    """A planner actor placed like one training worker (same pool); killed on leaving, which frees the worker
+    again for training."""
     gpu = 1 if recipe.hardware.accelerator == "gpu" else 0
     options = {"num_cpus": 1, "num_gpus": gpu, "resources": pool_request(recipe.hardware)}
     actor = PlannerActor.options(**options).remote()  # type: ignore[attr-defined]  # ray.remote's class
     try:
         _wait_until_placed(actor, recipe)
-        result = ray.get(actor.plan.remote(recipe.model_dump(mode="json")), timeout=PLANNER_TIMEOUT_S)
+        yield actor
+    finally:
+        ray.kill(actor)
+
+
+def plan_on(actor: Any, recipe: Recipe) -> PlanResult:
+    """The plan `actor` (a sample worker of `recipe`'s pool) makes, with what it was computed from, for the
+    run's charts; the planner's UserError arrives whole."""
+    try:
+        result: PlanResult = ray.get(actor.plan.remote(recipe.model_dump(mode="json")), timeout=PLANNER_TIMEOUT_S)
     except RayTaskError as exc:
         if isinstance(exc.cause, UserError):
             raise exc.cause from None
         raise
-    finally:
-        ray.kill(actor)
     return result
+
+
+def plan_on_sample_worker(recipe: Recipe) -> PlanResult:
+    """Plan `recipe` on a sample worker started for it."""
+    with sample_worker(recipe) as actor:
+        return plan_on(actor, recipe)

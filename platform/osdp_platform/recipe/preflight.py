@@ -14,9 +14,9 @@ from pathlib import Path
 from torch import nn
 
 from osdp_planners.errors import UserError
-from osdp_platform.data import CORPUS_PATH, TokenFiles, check_text, load_tokens
-from osdp_platform.models import build_model
-from osdp_platform.recipe import HardwareSection, ModelSection, Recipe
+from osdp_platform.recipe.schema import HardwareSection, ModelSection, Recipe
+from osdp_platform.runtime.data import CORPUS_PATH, TokenFiles, check_text, load_tokens
+from osdp_platform.runtime.models import build_model
 
 MAX_WORKERS_PER_CORE = 4  # a local CPU pool beyond this only thrashes (the benchmarks run 4 workers on 2 cores)
 TEXT_CHECKED_BYTES = 8 << 20  # a longer text holds enough tokens for any seq_len a recipe would train

@@ -14,7 +14,7 @@ from torch import nn
 
 from osdp_planners.loss import lm_loss, logits_of
 from osdp_planners.runtime import make_optimizer
-from osdp_platform.recipe import TrainSection
+from osdp_platform.recipe.schema import TrainSection
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # inputs, next-token targets
 

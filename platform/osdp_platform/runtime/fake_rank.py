@@ -15,9 +15,9 @@ from torch import nn
 from osdp_planners.fake_build import build_fake
 from osdp_planners.plan import Plan
 from osdp_planners.torch_private import FakeTensorMode, register_fake_backend
-from osdp_platform.apply import Meshes, apply_plan
-from osdp_platform.memory import peak_snapshot, tracking
-from osdp_platform.step import train_step
+from osdp_platform.runtime.apply import Meshes, apply_plan
+from osdp_platform.runtime.memory import peak_snapshot, tracking
+from osdp_platform.runtime.step import train_step
 
 
 @dataclass(frozen=True)

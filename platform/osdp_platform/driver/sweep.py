@@ -1,10 +1,10 @@
 """`sweep`: one recipe over a grid of overrides; plan every cell, train those that fit, compare them all.
 
 `planner.name=osdp,zero3 train.micro_batch_size=4,8` is four cells. Every cell's recipe is validated
-before anything starts. Each is planned on a sample worker, as submit would; a cell that does not fit
-is recorded as a plan run ("does not fit", with the planner's reason) and not trained, the others
-train one after another through submit in one Ray session. Every run carries the sweep's id, and
-the comparison printed at the end is read back from MLflow.
+before anything starts. Each is planned on a sample worker, as submit would (cells on the same hardware
+on one); a cell that does not fit is recorded as a plan run ("does not fit", with the planner's reason)
+and not trained, the others train one after another through submit in one Ray session. Every run carries
+the sweep's id, and the comparison printed at the end is read back from MLflow.
 """
 
 import itertools
@@ -16,14 +16,14 @@ from rich.console import Console
 
 from osdp_planners import PlanResult
 from osdp_planners.errors import NoPlanFits, UserError
-from osdp_platform.cluster import check_cluster, connect
-from osdp_platform.compare import Format, Row, compare
-from osdp_platform.planning import plan_on_sample_worker
-from osdp_platform.preflight import preflight, where_it_runs
-from osdp_platform.recipe import Recipe
-from osdp_platform.recipe_loader import load_recipe
-from osdp_platform.submit import ray_logs_hint, submit
-from osdp_platform.tracking import RunKind, RunTracker, Tag, check_reachable
+from osdp_platform.driver.cluster import check_cluster, connect
+from osdp_platform.driver.submit import ray_logs_hint, submit
+from osdp_platform.planning.sample_worker import plan_on, sample_worker
+from osdp_platform.recipe.loader import load_recipe
+from osdp_platform.recipe.preflight import preflight, where_it_runs
+from osdp_platform.recipe.schema import Recipe
+from osdp_platform.tracking.compare import Format, Row, compare
+from osdp_platform.tracking.runs import RunKind, RunTracker, Tag, check_reachable
 
 
 def expand(overrides: list[str]) -> list[list[str]]:
@@ -70,6 +70,23 @@ def _cells(recipe_path: str | Path, overrides: list[str]) -> list[Cell]:
     return cells
 
 
+def _plan_cells(cells: list[Cell], console: Console) -> None:
+    """Plan every cell on a sample worker. Cells with the same hardware share one: its imports, and the
+    profile of a model that several cells plan, are made once."""
+    pools: dict[str, list[tuple[int, Cell]]] = {}
+    for i, cell in enumerate(cells, 1):
+        pools.setdefault(cell.recipe.hardware.model_dump_json(), []).append((i, cell))
+    for pool in pools.values():
+        with sample_worker(pool[0][1].recipe) as actor:
+            for i, cell in pool:
+                console.print(f"planning {i}/{len(cells)}: {cell.label}", markup=False)
+                try:
+                    cell.planned = plan_on(actor, cell.recipe)
+                except NoPlanFits as exc:
+                    cell.problem = exc
+                    console.print(f"  does not fit: {exc.problem}", style="yellow", markup=False)
+
+
 def sweep(
     recipe_path: str | Path,
     overrides: list[str],
@@ -92,13 +109,7 @@ def sweep(
         check_cluster(cell.recipe)
     tags: dict[str, str] = {Tag.SWEEP: uuid.uuid4().hex[:12]}
     console.print(f"sweep {tags[Tag.SWEEP]}: {len(cells)} cell(s) of {recipe_path}", markup=False)
-    for i, cell in enumerate(cells, 1):
-        console.print(f"planning {i}/{len(cells)}: {cell.label}", markup=False)
-        try:
-            cell.planned = plan_on_sample_worker(cell.recipe)
-        except NoPlanFits as exc:
-            cell.problem = exc
-            console.print(f"  does not fit: {exc.problem}", style="yellow", markup=False)
+    _plan_cells(cells, console)
     for cell in cells:
         if cell.problem is not None:
             tracker = RunTracker.start(cell.recipe, RunKind.PLAN, None, tags)

@@ -19,7 +19,7 @@ from osdp_planners.errors import UserError
 
 BYTES = "bytes"
 SHIPPED_BPE = "bpe"
-BPE_PATH = Path(__file__).parent / "data" / "bpe.json"
+BPE_PATH = Path(__file__).parents[1] / "data" / "bpe.json"
 BYTE_VOCAB_SIZE = 256
 SHIPPED_BPE_VOCAB = 1024
 

@@ -7,9 +7,9 @@ import torch
 
 from osdp_planners import PlanRequest, PlanResult, make_plan_for
 from osdp_planners.hardware import get_preset
-from osdp_platform.data import data_vocab_size
-from osdp_platform.models import build_model
-from osdp_platform.recipe import Recipe
+from osdp_platform.recipe.schema import Recipe
+from osdp_platform.runtime.data import data_vocab_size
+from osdp_platform.runtime.models import build_model
 
 
 def plan_request(recipe: Recipe) -> PlanRequest:

@@ -1,0 +1,17 @@
+"""The one-way rule (osdp_platform's docstring): what runs in a Ray worker never imports the driver or
+tracking, so a worker loads neither MLflow nor Ray's Jobs client (each costs every worker seconds of
+start-up on a small node)."""
+
+import subprocess
+import sys
+
+FORBIDDEN = ("mlflow", "ray.job_submission", "osdp_platform.driver", "osdp_platform.tracking")
+
+
+def test_the_worker_loop_loads_no_driver_or_tracking_module() -> None:
+    code = (
+        "import sys, osdp_platform.runtime.worker\n"
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] == 'mlflow' or m.startswith({FORBIDDEN!r})))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    assert done.stdout.strip() == "[]", done.stdout
