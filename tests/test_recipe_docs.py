@@ -15,7 +15,7 @@ from osdp_platform.zoo import zoo_sizes
 def test_readme_reference_matches_the_schema() -> None:
     readme = REPO / "README.md"
     assert recipe_docs.current_block(readme) == recipe_docs.readme_block(), (
-        "README.md's recipe reference differs from platform/osdp_platform/recipe/schema.py: run `make docs` "
+        "README.md's recipe reference differs from platform/osdp_platform/recipe/{schema,inputs}.py: run `make docs` "
         "(or .venv/bin/python -m osdp_platform.recipe.docs --write README.md) and commit the result"
     )
 
@@ -28,7 +28,7 @@ def test_every_recipe_field_has_a_description() -> None:
         if not key.meaning
     ]
     missing += [name for name, info in Recipe.model_fields.items() if not info.description]
-    assert not missing, f"add Field(description=...) in platform/osdp_platform/recipe/schema.py for {missing}"
+    assert not missing, f"add Field(description=...) in osdp_platform/recipe/schema.py or inputs.py for {missing}"
 
 
 def _keys() -> dict[str, recipe_docs.Key]:

@@ -1,277 +1,18 @@
 """The recipe schema: what a user may declare, validated strictly (unknown keys are errors)."""
 
 import os
-import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
+from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from osdp_planners.batch_search import RENAMED, search_mode
 from osdp_planners.hardware import PRESETS
 from osdp_planners.margin import MemoryMargin
+from osdp_platform.recipe.inputs import DataSection, FieldProblem, HardwareSection, ModelSection, Section
 
 
-class FieldProblem(ValueError):
-    """A validator's finding about one key, with its fix: the loader reports it as that key's error,
-    not as the whole section's (pydantic names the section a model validator belongs to)."""
-
-    def __init__(self, field: str, value: object, problem: str, fix: str) -> None:
-        super().__init__(problem)
-        self.field, self.value, self.problem, self.fix = field, value, problem, fix
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ModelSection(_Section):
-    """One model source: a zoo entry (family + size), a Hugging Face config, or the user's own factory."""
-
-    family: str | None = Field(default=None, description="zoo family, with `size`: llama, gpt2 or opt")
-    size: str | None = Field(
-        default=None,
-        description="zoo preset of the family: llama tiny, 1b, 7b, 13b, 70b; gpt2 tiny, 124m, 355m, "
-        "774m, 1.5b, osdp-48l; opt tiny, 125m, 350m, 1.3b, 2.7b, 6.7b, 13b, 30b",
-    )
-    hf_config: dict[str, Any] | str | None = Field(
-        default=None,
-        description="a `transformers` config: inline (`model_type: llama` plus that model's fields) or "
-        "the path of a local config.json or its folder; built by AutoModelForCausalLM "
-        "from the config alone (nothing is downloaded)",
-    )
-    target: str | None = Field(
-        default=None,
-        description='"pkg.module:factory" returning your own nn.Module, whose forward(tokens) returns '
-        "logits, a tuple starting with them, or an object with .logits (a Hugging Face "
-        "ModelOutput); see Your own model",
-    )
-    kwargs: dict[str, Any] = Field(
-        default_factory=dict,
-        description="overrides of the zoo preset's fields (e.g. n_layers, vocab_size) or of "
-        "the hf_config's, or the factory's keyword arguments",
-    )
-
-    @field_validator("hf_config")
-    @classmethod
-    def _absolute(cls, value: dict[str, Any] | str | None) -> dict[str, Any] | str | None:
-        """A local config path is named absolutely: Ray workers do not run in the driver's folder."""
-        return str(Path(value).resolve()) if isinstance(value, str) and Path(value).exists() else value
-
-    @model_validator(mode="after")
-    def _one_source(self) -> "ModelSection":
-        zoo = self.family is not None or self.size is not None
-        sources = [
-            name
-            for name, given in (
-                ("family+size", zoo),
-                ("hf_config", self.hf_config is not None),
-                ("target", self.target is not None),
-            )
-            if given
-        ]
-        if len(sources) > 1:
-            raise FieldProblem(
-                "model", " + ".join(sources), "gives more than one model source", "keep one of them, remove the others"
-            )
-        if not sources:
-            raise FieldProblem(
-                "model",
-                None,
-                "names no model",
-                "give family+size (e.g. family: llama, size: tiny), hf_config (a transformers config) "
-                "or target: 'pkg.module:factory'",
-            )
-        if zoo and (self.family is None or self.size is None):
-            missing = "model.size" if self.size is None else "model.family"
-            raise FieldProblem(missing, None, "is missing: a zoo model needs both family and size", f"set {missing}")
-        if self.target is not None and ":" not in self.target:
-            raise FieldProblem("model.target", self.target, "has no ':'", "write it as 'package.module:factory'")
-        if isinstance(self.hf_config, dict) and not self.hf_config.get("model_type"):
-            raise FieldProblem(
-                "model.hf_config.model_type",
-                None,
-                "is missing from the inline config",
-                "add model_type: llama (or gpt2, ...)",
-            )
-        if isinstance(self.hf_config, str) and not Path(self.hf_config).exists():
-            raise FieldProblem(
-                "model.hf_config", self.hf_config, "does not exist", "give a local config.json or the folder holding it"
-            )
-        return self
-
-    @property
-    def label(self) -> str:
-        if self.target:
-            return self.target
-        if self.hf_config is not None:
-            kind = self.hf_config.get("model_type") if isinstance(self.hf_config, dict) else self.hf_config
-            return f"hf-{kind}"
-        return f"{self.family}-{self.size}"
-
-
-class DataSection(_Section):
-    """Token source and tokenizer: synthetic tokens, the bundled corpus, a text file, or prepared token files."""
-
-    source: Literal["synthetic", "corpus", "text_file", "token_files"] = Field(
-        default="corpus",
-        description="synthetic (generated, learnable byte ids), corpus (bundled public-domain "
-        "text, platform/osdp_platform/data/), text_file (`path`), or token_files (`path`: a folder "
-        "written by `osdp-platform prepare`, uint16/uint32 files read through "
-        "np.memmap, several files as one data set)",
-    )
-    path: str | None = Field(default=None, description="the text file (text_file) or the folder (token_files)")
-    tokenizer: str | None = Field(
-        default=None,
-        description="bytes (the default, vocab 256), bpe (shipped byte-level BPE trained on the "
-        "corpus, vocab 1024) or the path of a `tokenizers` JSON file; token files carry "
-        "their own. A zoo or hf_config model whose vocab_size is below the tokenizer's is "
-        "refused when the recipe loads",
-    )
-    seq_len: int = Field(default=64, ge=2, description="tokens per sample: the context length trained on")
-
-    @field_validator("path", "tokenizer")
-    @classmethod
-    def _absolute(cls, value: str | None) -> str | None:
-        """Existing local files are named absolutely: Ray workers do not run in the driver's folder."""
-        if value is None or value in ("bytes", "bpe") or not Path(value).exists():
-            return value
-        return str(Path(value).resolve())
-
-    @model_validator(mode="after")
-    def _source_inputs(self) -> "DataSection":
-        if self.source in ("text_file", "token_files") and not self.path:
-            what = "the text file to train on" if self.source == "text_file" else "a folder written by `prepare`"
-            raise FieldProblem("data.path", None, f"is missing: source {self.source} needs {what}", "set data.path")
-        if self.source == "text_file":
-            path = Path(str(self.path))
-            if not path.is_file():
-                what = "is a folder, not a text file" if path.is_dir() else "does not exist"
-                raise FieldProblem("data.path", self.path, what, "name an existing text file")
-        elif self.source == "token_files":
-            if not Path(str(self.path), "tokens.json").is_file():
-                raise FieldProblem(
-                    "data.path",
-                    self.path,
-                    "holds no tokens.json" if Path(str(self.path)).is_dir() else "is not a folder",
-                    "write token files with `osdp-platform prepare --tokenizer ... --out DIR FILES...`",
-                )
-            if self.tokenizer is not None:
-                raise FieldProblem(
-                    "data.tokenizer",
-                    self.tokenizer,
-                    "is not used: token files carry the tokenizer that made them (tokens.json)",
-                    "remove data.tokenizer",
-                )
-        elif self.path is not None:
-            raise FieldProblem(
-                "data.path",
-                self.path,
-                f"is only read with source text_file or token_files (source is {self.source!r})",
-                "remove data.path, or set data.source=text_file",
-            )
-        if self.source == "synthetic" and self.tokenizer not in (None, "bytes"):
-            raise FieldProblem(
-                "data.tokenizer", self.tokenizer, "is not used: synthetic data is byte ids", "remove data.tokenizer"
-            )
-        return self
-
-
-# Resources Ray defines itself: a pool must be a custom resource, or it would not name a device type.
-RAY_BUILTIN_RESOURCES = frozenset({"CPU", "GPU", "TPU", "memory", "object_store_memory"})
-_RESOURCE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*")
-
-
-class HardwareSection(_Section):
-    """The device pool: nodes x workers per node, each one device of the named preset."""
-
-    accelerator: Literal["cpu", "gpu"] = Field(
-        default="cpu", description="the workers' device type; the preset must be of the same type"
-    )
-    nodes: PositiveInt = Field(default=1, description="nodes in the pool")
-    workers_per_node: PositiveInt = Field(default=2, description="Ray Train workers per node, one device each")
-    preset: str = Field(
-        default="cpu",
-        description="what the planner assumes of a device where it cannot measure "
-        f"(memory, speed, links): {', '.join(PRESETS)}",
-    )
-    memory_per_device_gb: float | None = Field(
-        default=None, gt=0, description="device memory in GiB, instead of the preset's"
-    )
-    autoscaling: bool = Field(
-        default=False,
-        description="the cluster's autoscaler adds nodes on demand: wait for "
-        "them instead of stopping when the pool is short",
-    )
-    pool: str = Field(
-        default="auto",
-        description="Ray custom resource of which every worker and the planner take one unit, so the plan runs on "
-        "the devices it was made for: `auto` = the GPU preset's pool (a100-80gb -> A100_80GB), none "
-        "on CPU; `any` = no pool resource; or the name your nodes advertise",
-    )
-    wait_for_nodes_s: float = Field(
-        default=600.0,
-        gt=0,
-        description="seconds the planner actor waits to be placed (for an autoscaler to "
-        "start a node of the pool) before the run stops with an error",
-    )
-
-    @model_validator(mode="after")
-    def _known_preset(self) -> "HardwareSection":
-        if self.preset not in PRESETS:
-            raise FieldProblem("hardware.preset", self.preset, "is not a preset", f"use one of {', '.join(PRESETS)}")
-        kind = PRESETS[self.preset].accelerator
-        if kind != self.accelerator:
-            same = [name for name, p in PRESETS.items() if p.accelerator == self.accelerator]
-            raise FieldProblem(
-                "hardware.preset",
-                self.preset,
-                f"is a {kind} preset but hardware.accelerator is {self.accelerator!r}",
-                f"set hardware.accelerator={kind}, or a {self.accelerator} preset: {', '.join(same)}",
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _pool_is_a_custom_resource(self) -> "HardwareSection":
-        if self.pool in ("auto", "any"):
-            return self
-        if self.pool in RAY_BUILTIN_RESOURCES:
-            raise FieldProblem(
-                "hardware.pool",
-                self.pool,
-                "is a resource Ray defines for every node, not a device pool",
-                "name the custom resource your pool's nodes advertise (e.g. A100_80GB), or use auto / any",
-            )
-        if not _RESOURCE_NAME.fullmatch(self.pool):
-            raise FieldProblem(
-                "hardware.pool",
-                self.pool,
-                "is not a Ray resource name",
-                "use letters, digits, '_', '.' or '-', starting with a letter (e.g. A100_80GB), or auto / any",
-            )
-        return self
-
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.workers_per_node
-
-    @property
-    def pool_resource(self) -> str | None:
-        """The custom resource every worker asks for: a GPU preset's name, upper-cased, unless named or `any`."""
-        if self.pool == "any":
-            return None
-        if self.pool == "auto":
-            return self.preset.upper().replace("-", "_") if self.accelerator == "gpu" else None
-        return self.pool
-
-    @property
-    def memory_per_device_bytes(self) -> int:
-        if self.memory_per_device_gb is not None:
-            return int(self.memory_per_device_gb * 1024**3)
-        return PRESETS[self.preset].memory_bytes
-
-
-class PlannerSection(_Section):
+class PlannerSection(Section):
     name: Literal["ddp", "zero2", "zero3", "hsdp", "osdp", "manual"] = Field(
         default="osdp",
         description=(
@@ -354,7 +95,7 @@ class PlannerSection(_Section):
         return self
 
 
-class TrainSection(_Section):
+class TrainSection(Section):
     steps: PositiveInt = Field(default=20, description="optimizer steps")
     micro_batch_size: PositiveInt | Literal["auto"] = Field(
         default=4, description=("samples per worker in one forward and backward; auto: the planner chooses")
@@ -394,7 +135,7 @@ class TrainSection(_Section):
         return str(Path(self.checkpoint_dir or "runs").expanduser().resolve())
 
 
-class TrackingSection(_Section):
+class TrackingSection(Section):
     uri: str | None = Field(
         default=None,
         description=(
@@ -417,7 +158,7 @@ class TrackingSection(_Section):
         return self.uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
 
 
-class Recipe(_Section):
+class Recipe(Section):
     name: str = Field(
         default="run",
         description=("the MLflow run's name; Ray Train's run folder (holding the checkpoints) is `<name>-<run id>`"),
