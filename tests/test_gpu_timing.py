@@ -13,19 +13,13 @@ import torch
 from test_search import builder, context
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 
 from helpers import zoo_request
 from osdp_planners import make_plan_for
-from osdp_planners.block_probe import _capture, _fsdp_added, _fsdp_probed, measure_blocks
+from osdp_planners.block_probe import CHAIN, _capture, _fsdp_added, _fsdp_probed, measure_blocks
 from osdp_planners.compute_probe import TIMING_BATCHES, MeasuredTimes, compute_copy, measure_totals
-from osdp_planners.fsdp_probe import (
-    Added,
-    added_costs,
-    fully_shard_alone,
-    measure_fsdp_costs,
-    per_byte,
-    per_unit_and_byte,
-)
+from osdp_planners.fsdp_probe import Chain, added_costs, measure_fsdp_costs, per_byte, shard_chain
 from osdp_planners.hardware import get_preset
 from osdp_planners.mfu import mfu, model_shape
 from osdp_planners.options import Option
@@ -118,6 +112,8 @@ def test_fsdp2_copies_are_charged_per_byte_on_the_compute_stream() -> None:
         0.03 + 1e-9 * nbytes
     )
     assert unit_time(ctx.profile, unit, dp, 1, ctx.topo, costly, 4, True).compute_s == pytest.approx(0.03)
+    alone = dataclasses.replace(ctx.topo, world_size=1, workers_per_node=1)  # no FSDP2 runs there (apply.py)
+    assert unit_time(ctx.profile, unit, zero3, 1, alone, costly, 4, True).compute_s == pytest.approx(0.03)
 
 
 def test_fsdp2_costs_are_measured_for_a_rank_under_the_fake_group() -> None:
@@ -129,57 +125,42 @@ def test_fsdp2_costs_are_measured_for_a_rank_under_the_fake_group() -> None:
     assert not torch.distributed.is_initialized(), "the probe's process group is gone"
 
 
-def test_fsdp2_costs_of_one_block_are_charged_per_byte_of_its_global_size() -> None:
-    """A model too large for the device is charged FSDP2's costs measured on its largest block alone: the
-    block as its own unit under each strategy, its bytes counted whole (a DTensor's numel is global)."""
+def test_fsdp2_costs_of_a_chain_of_blocks_are_charged_per_byte_of_its_global_size() -> None:
+    """A model too large for the device is charged FSDP2's costs measured on copies of its largest block,
+    each copy its own unit under each strategy, their bytes counted whole (a DTensor's numel is global)."""
     block = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
-    nbytes = sum(p.numel() * 4 for p in block.parameters())
+    nbytes = 2 * sum(p.numel() * 4 for p in block.parameters())
     x = torch.randn(8, 64, requires_grad=True)
     seen: list[int] = []
 
     def sharded(strategy: str, meshes: dict[str, DeviceMesh]) -> nn.Module:
-        module = fully_shard_alone(copy.deepcopy(block), strategy, meshes, "bf16-mixed")
-        seen.append(sum(p.numel() * p.element_size() for p in module.parameters()))
-        return module
+        chain = shard_chain(Chain([copy.deepcopy(block), copy.deepcopy(block)]), strategy, meshes, "bf16-mixed")
+        assert all(isinstance(b, FSDPModule) for b in [chain, *chain.blocks])
+        seen.append(sum(p.numel() * p.element_size() for p in chain.parameters()))
+        return chain
 
-    added = added_costs(sharded, lambda m: m(x).sum().backward(), torch.device("cpu"), 4, plain_s=0.0)
+    def run(chain: nn.Module) -> None:
+        torch.stack(chain(x)).sum().backward()
+
+    added = added_costs(sharded, run, torch.device("cpu"), 4, plain_s=0.0)
     assert set(added) == {"ddp", "zero2", "zero3"} and all(a.seconds > 0 for a in added.values())
     assert seen == [nbytes] * 3 and all(a.nbytes == nbytes for a in added.values())
     assert per_byte(added)["zero3"] == added["zero3"].seconds / nbytes
     assert not torch.distributed.is_initialized(), "the probe's process group is gone"
 
 
-def test_fsdp2_cost_per_unit_and_per_byte_from_two_block_sizes() -> None:
-    """Two blocks' added seconds give a line: a fixed cost per FSDP2 unit plus a cost per byte, never negative;
-    the time model charges the fixed cost once per FSDP2 unit an option makes (each slice of a split is one)."""
-    small = {"zero3": Added(2e-3, 100), "ddp": Added(3e-3, 100)}
-    large = {"zero3": Added(3e-3, 300), "ddp": Added(1e-3, 300)}  # ddp: larger block cheaper (noise)
-    per_unit, byte = per_unit_and_byte(small, large)
-    assert per_unit["zero3"] == pytest.approx(1.5e-3) and byte["zero3"] == pytest.approx(5e-6)
-    assert byte["ddp"] == 0.0 and per_unit["ddp"] == pytest.approx(3e-3)
-    ctx = context("llama")
-    unit = next(u.name for u in ctx.profile.units if ctx.profile.linear_tensors.get(u.name))
-    times = MeasuredTimes({unit: Linear1(0.0, 0.0)}, {unit: Linear1(0.0, 0.0)}, 0.0, {}, {"zero3": 1e-3})
-    whole, split = Option(Strategy.ZERO3, 4), Option(Strategy.ZERO3, 4, split=2)
-    one = unit_time(ctx.profile, unit, whole, 1, ctx.topo, times, 4, True).compute_s
-    assert one == pytest.approx(1e-3)
-    slices = 2 * len(ctx.profile.linear_tensors[unit]) + 1  # each Linear's slices, then the unit's rest
-    assert unit_time(ctx.profile, unit, split, 1, ctx.topo, times, 4, True).compute_s == pytest.approx(slices * 1e-3)
-
-
-def test_the_block_probe_measures_fsdp2_on_a_decoders_two_repeated_blocks() -> None:
-    """Attention and MLP repeat once per layer: they are the two sizes FSDP2's cost is fitted on (the
-    embedding and head are larger but one of a kind); each is measured alone as one FSDP2 unit."""
+def test_the_block_probe_measures_fsdp2_on_a_chain_of_a_decoders_largest_repeated_block() -> None:
+    """The MLP is the largest block that repeats (the embedding and head are larger but one of a kind):
+    FSDP2's cost is measured on CHAIN copies of it, each one unit, against the same copies unsharded."""
     meta = builder("llama", 3)("meta")
     paths = [p for u in find_units(meta, 32) if u.name != ROOT for p in u.modules]
     sizes = {p: sum(q.numel() for q in meta.get_submodule(p).parameters()) for p in paths}
     probed = _fsdp_probed(paths, sizes)
-    assert [p.rsplit(".", 1)[-1] for p in probed] == ["mlp", "attn"], probed
-    module = meta.get_submodule(probed[1])
-    call = _capture(meta, [probed[1]], TIMING_BATCHES[-1], 32)[probed[1]]
-    added = _fsdp_added(module, call, (0.0, 0.0), torch.device("cpu"), "fp32", 2)
-    assert {a.nbytes for a in added.values()} == {4 * sizes[probed[1]]}
-    assert all(a.seconds > 0 for a in added.values())
+    assert probed.rsplit(".", 1)[-1] == "mlp", probed
+    call = _capture(meta, [probed], TIMING_BATCHES[-1], 32)[probed]
+    added = _fsdp_added(meta.get_submodule(probed), call, torch.device("cpu"), "fp32", 2)
+    assert set(added) == {"ddp", "zero2", "zero3"}
+    assert {a.nbytes for a in added.values()} == {CHAIN * 4 * sizes[probed]}
 
 
 def test_device_times_survive_the_disk_cache() -> None:

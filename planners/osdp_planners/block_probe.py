@@ -6,8 +6,8 @@ parameter shapes and argument shapes: the blocks of a decoder are one) is then b
 device, in the compute dtype, fed random arguments of those shapes, and timed forward and backward
 at both timing batches; every unit is charged its modules' times, and the loss on the logits is timed
 on its own and charged to the last unit. The optimizer's rate per parameter comes from the largest
-distinct module; on a GPU what FSDP2's copies and casts add, per unit and per byte (fsdp_probe), from
-the two largest repeated blocks. Nothing larger than one block is ever on the device.
+distinct module; on a GPU what FSDP2's copies and casts add per byte (fsdp_probe), from a chain of
+copies of the largest repeated block. Nothing larger than a few blocks is ever on the device.
 """
 
 import copy
@@ -15,6 +15,7 @@ import dataclasses
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -22,14 +23,15 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from osdp_planners.compute_probe import REPEATS, TIMING_BATCHES, MeasuredTimes, sync
-from osdp_planners.fsdp_probe import Added, added_costs, fully_shard_alone, per_byte, per_unit_and_byte
+from osdp_planners.fsdp_probe import Added, Chain, added_costs, median_pass, per_byte, shard_chain
 from osdp_planners.loss import lm_loss
 from osdp_planners.profile import Linear1
-from osdp_planners.runtime import compute_dtype, make_optimizer
+from osdp_planners.runtime import compile_units, compute_dtype, make_optimizer
 from osdp_planners.torch_private import tree_leaves, tree_map
 from osdp_planners.units import ROOT, find_units
 
 Call = tuple[tuple[Any, ...], dict[str, Any]]
+CHAIN = 4  # copies of a block FSDP2's costs are measured on (fsdp_probe.Chain)
 
 
 def _capture(model: nn.Module, paths: list[str], batch: int, seq_len: int) -> dict[str, Call]:
@@ -127,6 +129,7 @@ def measure_blocks(
     precision: str = "fp32",
     optimizer: str = "adamw",
     world: int = 1,
+    compile: bool = False,
 ) -> MeasuredTimes:
     """Per-unit forward and backward lines, the optimizer's seconds per parameter and, on a GPU, what
     FSDP2 adds per unit and per byte for a rank of `world` (fsdp_probe, on two repeated blocks), block by block."""
@@ -140,7 +143,7 @@ def measure_blocks(
     sizes = {p: sum(q.numel() for q in m.parameters()) for p, m in modules.items()}
     largest = max(paths, key=sizes.__getitem__)
     probed = _fsdp_probed(paths, sizes)
-    probe_calls: dict[str, Call] = {}
+    probe_call: Call | None = None
     for batch in TIMING_BATCHES:
         calls = _capture(meta, paths, batch, seq_len)
         seconds = {}
@@ -149,10 +152,12 @@ def measure_blocks(
             key = _signature(module, calls[path])
             if key not in timed:
                 real = _materialise(module, device, dtype)
+                if compile:
+                    compile_units(real, [""])
                 timed[key] = _time_module(real, _inputs(calls[path], device, dtype, batch, vocab_size), device)
                 del real
-            if path in probed:
-                probe_calls[path] = calls[path]
+            if path == probed:
+                probe_call = calls[path]
             seconds[path] = timed[key]
         logits = torch.randn(batch, seq_len, vocab_size, device=device, dtype=dtype, requires_grad=True)
         targets = torch.randint(0, vocab_size, (batch, seq_len), device=device)
@@ -169,44 +174,37 @@ def measure_blocks(
     forward = {name: line(ps, 0) for name, ps in charged.items()} | {ROOT: Linear1(0.0, 0.0)}
     backward = {name: line(ps, 1) for name, ps in charged.items()} | {ROOT: Linear1(0.0, 0.0)}
     times = MeasuredTimes(forward, backward, _optimizer_rate(modules[largest], device, optimizer))
-    if device.type != "cuda":
+    if device.type != "cuda" or world == 1 or probe_call is None:  # a world of one runs no FSDP2
         return times
-    added = [
-        _fsdp_added(modules[p], probe_calls[p], timed[_signature(modules[p], probe_calls[p])], device, precision, world)
-        for p in probed
-    ]
-    if len(added) == 1:
-        return dataclasses.replace(times, fsdp_s_per_byte=per_byte(added[0]))
-    per_unit, byte = per_unit_and_byte(added[1], added[0])
-    return dataclasses.replace(times, fsdp_s_per_byte=byte, fsdp_s_per_unit=per_unit)
+    added = _fsdp_added(modules[probed], probe_call, device, precision, world)
+    return dataclasses.replace(times, fsdp_s_per_byte=per_byte(added))
 
 
-def _fsdp_probed(paths: list[str], sizes: dict[str, int]) -> list[str]:
-    """The modules FSDP2's costs are measured on: the blocks of the two largest sizes that repeat (a
-    decoder's MLP and attention), the larger first; else the largest module."""
-    repeated: dict[int, str] = {}
-    for p in paths:
-        if sizes[p] and sum(sizes[q] == sizes[p] for q in paths) > 1:
-            repeated.setdefault(sizes[p], p)
-    ranked = [repeated[s] for s in sorted(repeated, reverse=True)[:2]]
-    return ranked or [max(paths, key=sizes.__getitem__)]
+def _fsdp_probed(paths: list[str], sizes: dict[str, int]) -> str:
+    """The module FSDP2's costs are measured on: the largest block that repeats (a decoder's MLP), the
+    least bound by launch latency; else the largest module."""
+    repeated = [p for p in paths if sizes[p] and sum(sizes[q] == sizes[p] for q in paths) > 1]
+    return max(repeated or paths, key=sizes.__getitem__)
 
 
-def _fsdp_added(
-    module: nn.Module, call: Call, plain: tuple[float, float], device: torch.device, precision: str, world: int
-) -> dict[str, Added]:
-    """What FSDP2 adds to `module` alone as one unit, at the larger timing batch, for rank 0 of `world`
-    (its inputs are activations: any integer ids among them only need to index a vocabulary of one)."""
+def _fsdp_added(module: nn.Module, call: Call, device: torch.device, precision: str, world: int) -> dict[str, Added]:
+    """What FSDP2 adds to a chain of CHAIN copies of `module`, each its own unit, at the larger timing
+    batch, for rank 0 of `world`; per byte it is the model's (its inputs are activations: any integer
+    ids among them only need to index a vocabulary of one)."""
     args, kwargs = _inputs(call, device, compute_dtype(precision), TIMING_BATCHES[-1], 1)
 
+    def copies(dtype: torch.dtype) -> Chain:
+        return Chain([_materialise(module, device, dtype) for _ in range(CHAIN)])
+
     def sharded(strategy: str, meshes: dict[str, DeviceMesh]) -> nn.Module:
-        return fully_shard_alone(_materialise(module, device, torch.float32), strategy, meshes, precision)
+        return shard_chain(copies(torch.float32), strategy, meshes, precision)
 
     def run(live: nn.Module) -> None:
         outs = [t for t in tree_leaves(live(*args, **kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
         torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
 
-    return added_costs(sharded, run, device, world, plain[0] + plain[1])
+    plain_s = median_pass(partial(run, copies(compute_dtype(precision))), device)
+    return added_costs(sharded, run, device, world, plain_s)
 
 
 def _optimizer_rate(module: nn.Module, device: torch.device, optimizer: str) -> float:

@@ -22,7 +22,8 @@ from torch import nn
 
 from osdp_planners.loss import lm_loss, logits_of
 from osdp_planners.profile import Linear1
-from osdp_planners.runtime import compute_dtype, make_optimizer
+from osdp_planners.runtime import compile_units, compute_dtype, make_optimizer
+from osdp_planners.units import ROOT, find_units
 
 TIMING_BATCHES = (1, 4)
 REPEATS = 9
@@ -35,7 +36,6 @@ class MeasuredTimes:
     optimizer_s_per_param: float  # optimizer step time per parameter owned
     # GPU: strategy -> seconds FSDP2's copies and casts add per parameter byte of a unit (fsdp_probe)
     fsdp_s_per_byte: dict[str, float] = field(default_factory=dict)
-    fsdp_s_per_unit: dict[str, float] = field(default_factory=dict)  # and per FSDP2 unit (block_probe)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -48,7 +48,6 @@ class MeasuredTimes:
             {u: Linear1(**line) for u, line in d["backward"].items()},
             d["optimizer_s_per_param"],
             dict(d["fsdp_s_per_byte"]),
-            dict(d["fsdp_s_per_unit"]),
         )
 
 
@@ -97,15 +96,19 @@ def measure_totals(
     slowest: Callable[[list[float]], list[float]] = lambda t: t,
     precision: str = "fp32",
     optimizer: str = "adamw",
+    compile: bool = False,
 ) -> dict[str, Any]:
     """Whole-model medians: forward and backward seconds per timing batch, optimizer seconds per parameter,
-    in the training `precision` and with the runtime's `optimizer`.
+    in the training `precision`, with the runtime's `optimizer` and, under `compile`, compiled units
+    (the warm-up round pays the compilation).
 
     The batches take turns, so a slow spell of a shared machine does not bend the fitted slope.
     `barrier` lines concurrent processes up before each pass, as a training step's collectives do,
     and `slowest` turns each rank's time into the slowest rank's (the step's).
     """
     compute = compute_copy(model, precision)
+    if compile:
+        compile_units(compute, [p for u in find_units(compute, seq_len) if u.name != ROOT for p in u.modules])
     inputs = {b: torch.randint(0, vocab_size, (b, seq_len), device=device) for b in TIMING_BATCHES}
     runs: dict[int, list[list[float]]] = {b: [] for b in TIMING_BATCHES}
     for i in range(REPEATS + 1):
@@ -163,12 +166,16 @@ def measure_times(
     precision: str = "fp32",
     optimizer: str = "adamw",
     world: int = 1,
+    compile: bool = False,
 ) -> MeasuredTimes:
-    """Time the model in this process on `device`, in the training precision and with its optimizer;
-    on a GPU also what FSDP2 adds per byte for a rank of `world` (fsdp_probe)."""
-    totals = measure_totals(build(str(device)), seq_len, vocab_size, device, precision=precision, optimizer=optimizer)
+    """Time the model in this process on `device`, in the training precision, with its optimizer and
+    compilation; on a GPU also what FSDP2 adds per byte for a rank of `world` (fsdp_probe)."""
+    model = build(str(device))
+    totals = measure_totals(
+        model, seq_len, vocab_size, device, precision=precision, optimizer=optimizer, compile=compile
+    )
     times = share_by_flops(totals, flops)
-    if device.type != "cuda":
+    if device.type != "cuda" or world == 1:  # a world of one runs no FSDP2 (runtime.apply)
         return times
     from osdp_planners.fsdp_probe import measure_fsdp_costs  # it imports this module
 

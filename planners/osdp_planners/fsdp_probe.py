@@ -6,8 +6,8 @@ One rank of the pool is run in this process under the fake process group: collec
 so a sharded module's forward+backward over the plain one's is FSDP2's own work. It is measured per
 uniform strategy at the larger timing batch and charged per parameter byte of a unit, since the
 copies and casts grow with the unit's size (without a measurement, nothing). A model that fits the
-device is measured whole and charged per byte; a larger one on two blocks of different sizes alone
-(block_probe), which give a cost per FSDP2 unit beside the cost per byte.
+device is measured whole and charged per byte; a larger one on a chain of copies of its largest
+repeated block (block_probe), each copy a unit of its own, as neighbouring blocks are in the model.
 """
 
 import statistics
@@ -32,7 +32,7 @@ from osdp_planners.units import ROOT, find_units
 Sharded = Callable[[str, dict[str, DeviceMesh]], nn.Module]  # strategy, meshes -> a sharded module
 
 
-def _median_pass(run: Callable[[], None], device: torch.device) -> float:
+def median_pass(run: Callable[[], None], device: torch.device) -> float:
     times = []
     for i in range(REPEATS + 1):
         sync(device)
@@ -76,7 +76,7 @@ def added_costs(
         for strategy in STRATEGIES:
             module = sharded(strategy, meshes)
             nbytes = sum(p.numel() * p.element_size() for p in module.parameters())  # a DTensor's numel is global
-            costs[strategy] = Added(max(_median_pass(partial(run, module), device) - plain_s, 0.0), nbytes)
+            costs[strategy] = Added(max(median_pass(partial(run, module), device) - plain_s, 0.0), nbytes)
             del module
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -85,19 +85,6 @@ def added_costs(
 
 def per_byte(added: dict[str, Added]) -> dict[str, float]:
     return {s: a.seconds / a.nbytes for s, a in added.items()}
-
-
-def per_unit_and_byte(small: dict[str, Added], large: dict[str, Added]) -> tuple[dict[str, float], dict[str, float]]:
-    """A fixed cost per FSDP2 unit and a cost per byte, per strategy, through two modules' measurements:
-    a single block's cost per byte misses the hooks and stream waits every unit pays (on an H200 the 7b
-    MLP block's ZeRO-3 cost per byte was a third of the whole 1b model's). Neither is ever negative."""
-    unit, byte = {}, {}
-    for s in small:
-        a, b = small[s], large[s]
-        slope = (b.seconds - a.seconds) / (b.nbytes - a.nbytes) if b.nbytes != a.nbytes else 0.0
-        byte[s] = max(slope, 0.0)
-        unit[s] = max(a.seconds - byte[s] * a.nbytes, 0.0)
-    return unit, byte
 
 
 def measure_fsdp_costs(
@@ -121,8 +108,25 @@ def measure_fsdp_costs(
     return per_byte(added_costs(sharded, lambda m: forward_loss(m, x).backward(), device, world, plain_s))
 
 
-def fully_shard_alone(module: nn.Module, strategy: str, meshes: dict[str, DeviceMesh], precision: str) -> nn.Module:
-    """One block as an FSDP2 unit of its own under a uniform strategy (block_probe's view of a unit)."""
+class Chain(nn.Module):
+    """Copies of one block called in turn on the same inputs: block_probe's stand-in for a model's run of
+    blocks. FSDP2 copies for the next unit while the current one computes, and the root's once-a-step
+    work is shared by the copies; a block alone has neither (on an H200 the 7b attention block alone
+    added 2.8 ms at batch 1, where a whole 7b ZeRO-2 step added 0.4 ms a block)."""
+
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, *args: object, **kwargs: object) -> list[object]:
+        return [block(*args, **kwargs) for block in self.blocks]
+
+
+def shard_chain(chain: Chain, strategy: str, meshes: dict[str, DeviceMesh], precision: str) -> Chain:
+    """Each block of `chain` an FSDP2 unit under a uniform strategy, the chain the (empty) root."""
     mesh = meshes["ddp" if strategy == "ddp" else "zero"]
-    fully_shard(module, mesh=mesh, reshard_after_forward=strategy == "zero3", mp_policy=mp_policy(precision))
-    return module
+    policy = mp_policy(precision)
+    for block in chain.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=strategy == "zero3", mp_policy=policy)
+    fully_shard(chain, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    return chain

@@ -63,7 +63,7 @@ def _profile(build: Builder, req: PlanRequest, structure: str, dtype: torch.dtyp
     return _profiles[key]
 
 
-DEVICE_CACHE_VERSION = 2  # of a cached device measurement's format (2: FSDP2's cost per unit)
+DEVICE_CACHE_VERSION = 3  # of a cached device measurement (3: FSDP2's cost on a chain of blocks, compile)
 WHOLE_MODEL_FRACTION = 0.5  # of the device's memory the whole-model probe's states may take
 PROBE_BYTES_PER_PARAM = 20  # fp32 weights, gradients and two moments, and the bf16 copy with its gradients
 
@@ -83,17 +83,27 @@ def _time_on_device(
     shape, training settings, world size and device name, so that planning the same model again (another
     planner, a sweep, a restart at another world size) takes no device time."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    shape = f"{req.model_label}|{structure}|{req.seq_len}|{req.token_range}|{req.precision}|{req.optimizer}"
+    shape = (
+        f"{req.model_label}|{structure}|{req.seq_len}|{req.token_range}|{req.precision}|{req.optimizer}|{req.compile}"
+    )
     key = hashlib.sha256(f"{shape}|{req.world_size}|{name}".encode()).hexdigest()[:16]
 
     def measure() -> dict[str, Any]:
         if _whole_model_fits(build, device):
             times = measure_times(
-                build, req.seq_len, req.token_range, device, flops, req.precision, req.optimizer, req.world_size
+                build,
+                req.seq_len,
+                req.token_range,
+                device,
+                flops,
+                req.precision,
+                req.optimizer,
+                req.world_size,
+                req.compile,
             )
         else:
             times = measure_blocks(
-                build, req.seq_len, req.token_range, device, req.precision, req.optimizer, req.world_size
+                build, req.seq_len, req.token_range, device, req.precision, req.optimizer, req.world_size, req.compile
             )
         return times.to_dict()
 
@@ -118,7 +128,7 @@ def build_context(build: Builder, req: PlanRequest, measure_on: str | None) -> C
         if measure_on == "cpu":
             ranks = min(req.world_size, req.workers_per_node)
             key = f"{req.model_label}|{structure}|{dtype}"
-            train = Training(req.precision, req.optimizer)
+            train = Training(req.precision, req.optimizer, req.compile)
             measured, overheads = measure_on_ranks(build, req.seq_len, req.token_range, flops, ranks, key, train)
             if req.world_size > 1:
                 comm = cached_comm(req.world_size)

@@ -55,6 +55,7 @@ class Training:
 
     precision: str = "fp32"
     optimizer: str = "adamw"
+    compile: bool = False
 
 
 def _overheads(
@@ -83,7 +84,9 @@ def measure_rank(_rank: int, world: int, args: list[str]) -> dict[str, Any]:
     torch.manual_seed(0)
     model = build("cpu")
     cpu = torch.device("cpu")
-    totals = measure_totals(model, seq_len, vocab_size, cpu, dist.barrier, slowest, train.precision, train.optimizer)
+    totals = measure_totals(
+        model, seq_len, vocab_size, cpu, dist.barrier, slowest, train.precision, train.optimizer, train.compile
+    )
     overheads = _overheads(model, build, seq_len, vocab_size, world, train) if world > 1 else None
     return {"totals": totals, "overheads": overheads}
 
@@ -100,7 +103,7 @@ def measure_on_ranks(
     """Time the model on `ranks` concurrent CPU processes as the workers `train` it; cached per model
     (`model_key`), shape, training settings and ranks."""
     train = train or Training()
-    shape = f"{model_key}|{seq_len}|{vocab_size}|{TIMING_BATCHES}|{train.precision}|{train.optimizer}"
+    shape = f"{model_key}|{seq_len}|{vocab_size}|{TIMING_BATCHES}|{train.precision}|{train.optimizer}|{train.compile}"
     key = hashlib.sha256(shape.encode()).hexdigest()[:16]
     with tempfile.NamedTemporaryFile(suffix=".pkl") as f:
         cloudpickle.dump((build, seq_len, vocab_size, train), f)

@@ -95,6 +95,7 @@ class Plan(_Strict):
     grad_accum_steps: int = Field(default=1, ge=1)
     seq_len: int = Field(ge=1)
     precision: str = "fp32"
+    compile: bool = False  # each unit's forward through torch.compile (train.compile)
     memory_limit_bytes: int | None = None
     memory_margin: Margin | None = None
     units: list[UnitPlan]

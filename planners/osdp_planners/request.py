@@ -19,6 +19,7 @@ class PlanRequest:
     global_batch_size: int | None  # fixed global batch: the planner picks micro batch x accumulation
     precision: str = "fp32"
     optimizer: str = "adamw"
+    compile: bool = False  # train.compile: units run through torch.compile (the probe times them so)
     hsdp_group_size: int | None = None
     plan_file: str | None = None
     token_range: int = 256  # token ids the data produces (bytes), used to drive profiling runs

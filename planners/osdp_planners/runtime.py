@@ -23,6 +23,16 @@ def mp_policy(precision: str) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
+def compile_units(model: nn.Module, paths: Iterable[str]) -> None:
+    """`train.compile`: each unit's forward through torch.compile, one module at a time as torchtitan
+    compiles per block. Only `forward` is compiled: the hooks around it (FSDP2's gathers, activation
+    checkpointing, autocast) stay eager, so sharding and checkpointing compose as they do uncompiled.
+    Static shapes: the probe's two timing batches must not turn the workers' graphs dynamic."""
+    for path in paths:
+        module = model.get_submodule(path)
+        module.forward = torch.compile(module.forward, dynamic=False)
+
+
 def make_optimizer(
     params: Iterable[nn.Parameter], name: str, device_type: str, lr: float = 1e-4, weight_decay: float = 0.0
 ) -> torch.optim.Optimizer:

@@ -136,10 +136,8 @@ def unit_time(
 ) -> UnitTime:
     fwd, bwd = compute_seconds(profile, unit, batch, topo, measured)
     compute = fwd + bwd + (fwd if opt.checkpoint else 0.0)
-    if measured is not None:  # FSDP2's copies and casts on a GPU's compute stream (autocast's at a world of one)
-        kind = measured_kind(opt)
-        compute += measured.fsdp_s_per_byte.get(kind, 0.0) * profile.param_bytes[unit]
-        compute += measured.fsdp_s_per_unit.get(kind, 0.0) * sum(1 for n in fsdp_units(profile, unit, opt) if n)
+    if measured is not None and topo.world_size > 1:  # FSDP2's copies and casts (a world of one has no FSDP2)
+        compute += measured.fsdp_s_per_byte.get(measured_kind(opt), 0.0) * profile.param_bytes[unit]
     comm = comm_seconds(profile, unit, opt, topo, compute_bytes)
     total = max(compute, comm) if overlap else compute + comm
     return UnitTime(compute, comm, total)

@@ -38,6 +38,7 @@ def make_plan(
         grad_accum_steps=grad_accum_steps,
         seq_len=req.seq_len,
         precision=req.precision,
+        compile=req.compile,
         memory_limit_bytes=req.memory_limit_bytes,
         memory_margin=Margin(
             fraction=req.margin.fraction,

@@ -29,6 +29,7 @@ def plan_request(recipe: Recipe) -> PlanRequest:
         global_batch_size=t.global_batch_size,
         precision=t.precision,
         optimizer=t.optimizer,
+        compile=t.compile,
         hsdp_group_size=recipe.planner.hsdp_group_size,
         plan_file=recipe.planner.plan_file,
         search=recipe.planner.search,

@@ -115,6 +115,13 @@ class TrainSection(Section):
         default="fp32",
         description=("bf16-mixed: bf16 compute and gathers, fp32 sharded weights and gradient reduction"),
     )
+    compile: bool = Field(
+        default=False,
+        description=(
+            "run each unit's forward through torch.compile (per block, composed with FSDP2 as torchtitan "
+            "applies it); the planner's probe times the compiled units; the first step pays the compilation"
+        ),
+    )
     checkpoint_every: int = Field(default=0, ge=0, description="steps between checkpoints; 0 = never")
     checkpoint_dir: str | None = Field(
         default=None,

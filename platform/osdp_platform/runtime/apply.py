@@ -12,17 +12,19 @@ There the model computes under `torch.autocast` in the plan's compute dtype inst
 mixed-precision policy, as a hand-written loop would.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypedDict
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from osdp_planners.plan import Plan, Strategy, UnitPlan
-from osdp_planners.runtime import compute_dtype, mp_policy
+from osdp_planners.runtime import compile_units, compute_dtype, mp_policy
 from osdp_planners.split import SplitLinear, split_linear_in
 from osdp_planners.torch_private import checkpoint, composable_registry, reshards_after_forward
 from osdp_planners.units import find_units, structure_hash
@@ -85,7 +87,15 @@ def apply_plan(model: nn.Module, plan: Plan, device_type: str, meshes: Meshes | 
     meshes = meshes or Meshes(device_type, plan.world_size, {})
     if plan.world_size == 1:
         _apply_unsharded(model, plan, linears, device_type)
-        return meshes
+    else:
+        _apply_sharded(model, plan, linears, meshes)
+    if plan.compile:
+        compile_units(model, [m for u in plan.units if u.modules != [""] for m in u.modules])
+    return meshes
+
+
+def _apply_sharded(model: nn.Module, plan: Plan, linears: dict[str, tuple[str, ...]], meshes: Meshes) -> None:
+    """Split, checkpoint and `fully_shard` every unit; the root over what is left."""
     mp = mp_policy(plan.precision)
     root_unit = None
     for unit in plan.units:
@@ -113,7 +123,6 @@ def apply_plan(model: nn.Module, plan: Plan, device_type: str, meshes: Meshes | 
     root_g = root_unit.shard_group_size if root_unit else plan.world_size
     fully_shard(model, mesh=meshes.for_group(root_g), reshard_after_forward=False, mp_policy=mp)
     verify_applied(model, plan, linears)
-    return meshes
 
 
 def _apply_unsharded(model: nn.Module, plan: Plan, linears: dict[str, tuple[str, ...]], device_type: str) -> None:
@@ -151,6 +160,20 @@ def autocast_forward(model: nn.Module, device_type: str, dtype: torch.dtype) -> 
     for module in model.modules():
         if isinstance(module, nn.Embedding):
             module.register_forward_hook(in_compute_dtype)
+        if isinstance(module, nn.RMSNorm) and module.weight is not None:
+            module.forward = _rms_norm_in_input_dtype(module)  # type: ignore[method-assign,assignment]
+
+
+def _rms_norm_in_input_dtype(norm: nn.RMSNorm) -> Callable[[torch.Tensor], torch.Tensor]:
+    """RMSNorm with its weight cast to the input's dtype, as FSDP2's policy computes it. Autocast leaves
+    rms_norm alone, and a bf16 input with an fp32 weight misses the fused kernel: on one H200 the
+    unfused norms made the llama 1b's step (micro 4, seq 2048) 0.178 s against 0.157 s fused."""
+    shape = tuple(norm.normalized_shape)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, shape, norm.weight.to(x.dtype), norm.eps)
+
+    return forward
 
 
 def _unsharded(modules: list[nn.Module]) -> list[nn.Parameter]:
