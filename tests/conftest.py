@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from helpers import MlflowServer
+from helpers import TEST_PATH, MlflowServer
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -20,13 +20,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def ray_cluster() -> Iterator[None]:
     """A real local Ray (no dashboard), 4 logical CPUs so 4 gloo workers fit on 2 cores."""
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    tests_dir = str(Path(__file__).parent)  # workers unpickle loops defined in test modules
     ray.init(
         address="local",
         num_cpus=4,
         include_dashboard=False,
         log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": tests_dir}},
+        runtime_env={"env_vars": {"PYTHONPATH": TEST_PATH}},  # workers unpickle loops defined in test modules
     )
     yield
     ray.shutdown()

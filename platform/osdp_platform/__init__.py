@@ -10,7 +10,7 @@ The folders are the pipeline, in the order a run passes them:
 
 The one-way rule: runtime never imports driver or tracking, so a worker loads neither MLflow nor
 Ray's Jobs client; what a worker reports goes through the inbox actor (runtime/inbox.py) to the
-driver, which writes MLflow (driver/pump.py). tests/test_import_rule.py holds the rule.
+driver, which writes MLflow (driver/pump.py). tests/platform/test_import_rule.py holds the rule.
 """
 
 __version__ = "0.1.0"

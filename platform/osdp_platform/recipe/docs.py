@@ -2,7 +2,7 @@
 accepts: every key with its type, bounds, default and the field's own description.
 
 `make docs` (`python -m osdp_platform.recipe.docs --write README.md`) rewrites the README's block between
-the markers; tests/test_recipe_docs.py fails while that block is stale; `osdp-platform validate --explain`
+the markers; tests/platform/recipe/test_docs.py fails while that block is stale; `osdp-platform validate --explain`
 prints the same reference in the terminal.
 """
 

@@ -4,8 +4,8 @@ model, and the model probe on real gloo ranks."""
 from pathlib import Path
 
 import pytest
-from test_search import builder, context
 
+from helpers import builder, context
 from osdp_planners.comm_probe import STRATEGIES, CommProfile
 from osdp_planners.compute_probe import MeasuredTimes
 from osdp_planners.hardware import get_preset

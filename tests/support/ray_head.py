@@ -28,9 +28,10 @@ from typing import Any
 import psutil
 from ray.util.state import list_actors, list_nodes
 
+from helpers import TEST_PATH
+
 LOOPBACK = "127.0.0.1"
 VENV_BIN = str(Path(sys.executable).parent)
-TESTS_DIR = str(Path(__file__).parent)  # the autoscaler imports fake_nodes from here
 # The fake provider's head id: the autoscaler knows the head by it (autoscaler v2).
 FAKE_HEAD_NODE_ID = "f" * 51 + "00000"
 STOP_TIMEOUT_S = 30
@@ -66,7 +67,7 @@ def fake_autoscaling_config(
     """An autoscaler config for Ray's fake multi-node provider: a head without CPUs and on-demand node types.
 
     The wheel lacks the fake provider's default config, so the provider is named by module (type
-    `external`: `tests/fake_nodes.py`, Ray's fake provider with a folder of its own per node) and every
+    `external`: `tests/support/fake_nodes.py`, Ray's fake provider with a folder of its own per node) and every
     field the defaults would fill is given here.
     """
     workers = {
@@ -215,7 +216,7 @@ def start_head(
         config.write_text(json.dumps(fake_autoscaling_config(gcs_address, node_types, max_workers, idle_timeout_s)))
         cmd.append(f"--autoscaling-config={config}")
         env.update(
-            PYTHONPATH=os.pathsep.join(filter(None, [TESTS_DIR, env.get("PYTHONPATH")])),
+            PYTHONPATH=os.pathsep.join(filter(None, [TEST_PATH, env.get("PYTHONPATH")])),  # fake_nodes, test modules
             RAY_FAKE_CLUSTER="1",
             AUTOSCALER_UPDATE_INTERVAL_S="1",
             RAY_enable_autoscaler_v2="1",

@@ -11,13 +11,13 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+from helpers import TEST_PATH
 from osdp_planners.plan import Plan, Strategy
 from osdp_planners.uniform import group_size, uniform_plan
 from osdp_platform.planning.local import plan_request
@@ -162,7 +162,7 @@ def peak_rss_building(world: int) -> dict[str, int]:
 
 
 def _in_fresh_process(call: str) -> Any:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([TEST_PATH, os.environ.get("PYTHONPATH", "")])}
     code = f"import json, test_meta_init as t; print('RESULT' + json.dumps(t.{call}))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

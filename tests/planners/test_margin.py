@@ -3,9 +3,8 @@
 import dataclasses
 
 import pytest
-from test_search import builder
 
-from helpers import zoo_request
+from helpers import builder, zoo_request
 from osdp_planners import make_plan_for
 from osdp_planners.hardware import GIB, get_preset
 from osdp_planners.margin import MemoryMargin

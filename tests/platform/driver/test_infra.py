@@ -3,7 +3,7 @@
 Each overlay (`cpu-dev`, `gpu-prod`) is rendered with `kubectl kustomize` as `kubectl apply -k`
 would send it. Core objects are validated against the Kubernetes OpenAPI schema (kubernetes-validate,
 strict: unknown fields are errors), KubeRay objects against the KubeRay v1.7.0 CRD schema
-(tests/data/kuberay-v1.7.0, which says where it came from) with every pod template inside them
+(tests/support/data/kuberay-v1.7.0, which says where it came from) with every pod template inside them
 validated as a core PodTemplate. Then the facts a schema cannot know: the pools the GPU groups
 advertise are the ones recipes ask for, every Ray pod shares the checkpoint volume, MLflow reaches
 its database, images and versions agree with the Dockerfiles.
@@ -35,7 +35,9 @@ INFRA = REPO / "infra"
 OVERLAYS = ("cpu-dev", "gpu-prod")
 JOBS = sorted((INFRA / "jobs").glob("*.yaml"))
 K8S_VERSION = "1.32.0"  # the Kubernetes API these manifests are written for (infra/README.md)
-KUBERAY_SCHEMA = yaml.safe_load((REPO / "tests" / "data" / "kuberay-v1.7.0" / "ray.io_v1.schema.yaml").read_text())
+KUBERAY_SCHEMA = yaml.safe_load(
+    (REPO / "tests" / "support" / "data" / "kuberay-v1.7.0" / "ray.io_v1.schema.yaml").read_text()
+)
 GPU = "nvidia.com/gpu"
 GPU_POOLS = {
     HardwareSection(accelerator="gpu", preset=p).pool_resource

@@ -1,4 +1,5 @@
-"""Paths and a real MLflow server shared by the tests (tests/ is on sys.path; the repo root deliberately is not)."""
+"""Paths, tiny zoo planning requests and a real MLflow server shared by the tests (tests/support is on
+sys.path, pytest's `pythonpath`; the repo root deliberately is not)."""
 
 import os
 import signal
@@ -6,15 +7,26 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 
 import requests
+import torch
 
-from osdp_planners import PlanRequest
+from osdp_planners import PlanRequest, build_context
+from osdp_planners.evaluate import Context
 from osdp_planners.hardware import GIB, get_preset
+from osdp_platform.zoo import build_zoo_model
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
+TESTS = REPO / "tests"
+# every folder of tests/ (not its data): the PYTHONPATH on which a subprocess or a Ray worker unpickles
+# what a test module defines
+TEST_PATH = os.pathsep.join(
+    str(d) for d in sorted(TESTS.rglob("*")) if d.is_dir() and not {"data", "__pycache__"} & set(d.parts)
+)
 RECIPES = REPO / "recipes"
 CLI = str(Path(sys.executable).with_name("osdp-platform"))
 
@@ -109,3 +121,30 @@ def zoo_request(
         optimizer=optimizer,
         search=search,
     )
+
+
+def builder(
+    family: str, n_layers: int, vocab_size: int | None = None, dim: int | None = None
+) -> Callable[[str], torch.nn.Module]:
+    """A tiny zoo model's constructor on any device, as make_plan_for takes it."""
+
+    def build(device: str) -> torch.nn.Module:
+        with torch.device(device):
+            return build_zoo_model(family, "tiny", n_layers=n_layers, vocab_size=vocab_size, dim=dim)
+
+    return build
+
+
+@cache
+def context(
+    family: str,
+    n_layers: int = 2,
+    workers: int = 4,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    vocab_size: int | None = None,
+    dim: int | None = None,
+    seq_len: int = 32,
+) -> Context:
+    req = zoo_request(family, workers, precision=precision, optimizer=optimizer, seq_len=seq_len)
+    return build_context(builder(family, n_layers, vocab_size, dim), req, None)

@@ -5,10 +5,9 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
-from test_search import builder
 from torch import nn
 
-from helpers import zoo_request
+from helpers import builder, zoo_request
 from osdp_planners import make_plan_for
 from osdp_planners.plan import Plan
 from osdp_planners.torch_private import register_fake_backend

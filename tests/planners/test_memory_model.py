@@ -27,7 +27,7 @@ UNDER = 0.02  # a plan predicted to fit must fit
 # all-gather is counted over the split MLP's whole backward (memory_model.py), 5% on this small model
 OVER = 0.07
 
-# GQA and OPT shapes are drawn by tests/test_memory_property.py
+# GQA and OPT shapes are drawn by tests/planners/test_memory_property.py
 SHAPES: dict[str, Callable[[], nn.Module]] = {
     "llama-mha": lambda: build_zoo_model(
         "llama", "tiny", dim=256, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=688, vocab_size=512

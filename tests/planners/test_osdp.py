@@ -11,16 +11,13 @@ import itertools
 import math
 import random
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
 
 import numpy as np
 import pytest
-import torch
 
-from helpers import zoo_request
-from osdp_planners import build_context, make_plan_for, osdp
+from helpers import builder, context, zoo_request
+from osdp_planners import make_plan_for, osdp
 from osdp_planners.errors import NoPlanFits, UserError
 from osdp_planners.evaluate import Context
 from osdp_planners.hardware import GIB
@@ -28,7 +25,6 @@ from osdp_planners.memory_model import simulate
 from osdp_planners.options import Option, unit_options
 from osdp_planners.plan import Strategy
 from osdp_planners.search import BUCKETS, Candidate, bound, quantum_for, solve
-from osdp_platform.zoo import build_zoo_model
 
 pytestmark = pytest.mark.heavy
 
@@ -177,33 +173,6 @@ def test_solve_matches_brute_force_with_an_explicit_quantum() -> None:
 
 
 # --- real candidates from a profiled zoo model --------------------------------------------------------------
-
-
-def builder(
-    family: str, n_layers: int, vocab_size: int | None = None, dim: int | None = None
-) -> Callable[[str], torch.nn.Module]:
-    """A tiny zoo model's constructor on any device, as make_plan_for takes it."""
-
-    def build(device: str) -> torch.nn.Module:
-        with torch.device(device):
-            return build_zoo_model(family, "tiny", n_layers=n_layers, vocab_size=vocab_size, dim=dim)
-
-    return build
-
-
-@cache
-def context(
-    family: str,
-    n_layers: int = 2,
-    workers: int = 4,
-    precision: str = "fp32",
-    optimizer: str = "adamw",
-    vocab_size: int | None = None,
-    dim: int | None = None,
-    seq_len: int = 32,
-) -> Context:
-    req = zoo_request(family, workers, precision=precision, optimizer=optimizer, seq_len=seq_len)
-    return build_context(builder(family, n_layers, vocab_size, dim), req, None)
 
 
 def unit_option_lists(ctx: Context, workers: int) -> dict[str, list[Option]]:

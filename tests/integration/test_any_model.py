@@ -1,6 +1,6 @@
 """Any model a user brings: discovery, planning under every planner, training, and clear refusals.
 
-The structures (tests/structures.py) are planned by every planner on the fake-tensor profiler, then
+The structures (tests/support/structures.py) are planned by every planner on the fake-tensor profiler, then
 one Ray Train fit on 2 gloo workers trains, per structure, OSDP's plan, ZeRO-3's and a plan that mixes
 every strategy unit by unit (also split where SPLIT_CASES says) with the shipped step and apply_plan;
 each loss curve and the final parameters must match one plain-torch process fed the whole global batch.

@@ -6,16 +6,14 @@ import json
 import subprocess
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
-from test_search import builder, context
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from helpers import zoo_request
+from helpers import REPO, builder, context, zoo_request
 from osdp_planners import make_plan_for
 from osdp_planners.block_probe import CHAIN, _capture, _fsdp_added, _fsdp_probed, measure_blocks
 from osdp_planners.compute_probe import TIMING_BATCHES, MeasuredTimes, compute_copy, measure_totals
@@ -93,7 +91,7 @@ def test_mfu_matches_the_issues_h200_measurement() -> None:
 def test_the_gpu_check_imports_neither_ray_nor_mlflow() -> None:
     """benchmarks/gpu_check.py runs on a node that has torch and the scientific stack only."""
     code = "import sys, gpu_check; print(sorted({m.split('.')[0] for m in sys.modules} & {'ray', 'mlflow'}))"
-    benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"  # `python -c` imports from its cwd
+    benchmarks = REPO / "benchmarks"  # `python -c` imports from its cwd
     out = subprocess.run([sys.executable, "-c", code], cwd=benchmarks, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
