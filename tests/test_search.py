@@ -401,7 +401,7 @@ def choice(throughput: float, *kinds: Option) -> osdp.Choice:
         peak_bytes=0.0,
         step_time_s=1 / throughput,
         throughput=throughput,
-        unit_time_s={},
+        unit_seconds={},
         unit_resident={},
         timeline=None,
     )  # type: ignore[arg-type]  # unused by the choice

@@ -15,7 +15,6 @@ Every answer carries the bound, so the planner can print the gap it proved.
 """
 
 import math
-import warnings
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -27,29 +26,12 @@ from osdp_planners.relax_and_fix import fix_and_solve
 from osdp_planners.search import Candidate, solve
 
 TIE_BREAK = 1e-8
-MODES = ("auto", "knapsack", "milp")
-RENAMED = {"dp": "knapsack"}  # accepted for one release: DP means data parallel everywhere else
 # auto solves the program exactly up to this many binaries (units x undominated options): measured on
 # Llama-tiny stacks, HiGHS proves the optimum within a second up to ~1,600 binaries
 AUTO_MILP_BINARIES = 1100
 AUTO_TIME_LIMIT_S = 5.0  # per micro batch; the best plan found by then is used, with the bound proved by then
 # auto's target beyond AUTO_MILP_BINARIES: the plan is proven at most this share slower than the optimum
 CERTIFIED_GAP = 0.005
-
-
-def search_mode(mode: str) -> str:
-    """The search a request names, the old name `dp` with a warning."""
-    if mode in RENAMED:
-        warnings.warn(
-            f"planner.search={mode} is renamed {RENAMED[mode]} (DP means data parallel elsewhere); "
-            f"the old name will be refused in the next release",
-            FutureWarning,
-            stacklevel=2,
-        )
-        return RENAMED[mode]
-    if mode not in MODES:
-        raise ValueError(f"unknown search {mode!r}: use one of {', '.join(MODES)}")
-    return mode
 
 
 def _time_key(ctx: Context, bound: Bound, unit: str) -> tuple[object, ...]:

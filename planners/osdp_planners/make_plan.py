@@ -9,7 +9,6 @@ import os
 import traceback
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +20,11 @@ from osdp_planners.comm_probe import CommProfile, cached_comm
 from osdp_planners.compute_probe import MeasuredTimes, measure_times
 from osdp_planners.errors import UserError, UserErrors
 from osdp_planners.evaluate import Context, evaluate
+from osdp_planners.explanation import PlanResult
 from osdp_planners.local_ranks import cache_file, cached
 from osdp_planners.model_probe import Training, calibrate, measure_on_ranks
 from osdp_planners.options import Option
-from osdp_planners.osdp import Choice, best_uniform, infeasible, search_osdp, to_plan
+from osdp_planners.osdp import Choice, best_uniform, explain, infeasible, search_osdp, to_plan
 from osdp_planners.plan import Plan, Strategy
 from osdp_planners.profile import ModelProfile, profile_model
 from osdp_planners.request import PlanRequest
@@ -32,13 +32,6 @@ from osdp_planners.runtime import compute_dtype
 from osdp_planners.time_model import Topology
 from osdp_planners.trace import MODEL_CONTRACT
 from osdp_planners.units import structure_hash
-
-
-@dataclass(frozen=True)
-class PlanResult:
-    plan: Plan
-    context: Context
-
 
 Builder = Callable[[str], nn.Module]  # device name -> model constructed there
 PROFILES_KEPT = 8  # models whose profile a process keeps (each is a few hundred small records)
@@ -230,4 +223,4 @@ def _make_plan(build: Builder, req: PlanRequest, measure_on: str | None) -> Plan
         )
     if choice is None:
         raise infeasible(ctx, req)
-    return PlanResult(to_plan(model, req, ctx, choice), ctx)
+    return PlanResult(to_plan(model, req, ctx, choice), explain(ctx, choice), ctx)

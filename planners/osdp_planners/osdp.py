@@ -6,6 +6,7 @@ not the shortest step, which would always favour the smallest batch.
 """
 
 import dataclasses
+import json
 import math
 import time
 from dataclasses import dataclass
@@ -19,15 +20,15 @@ from osdp_planners.batch_search import (
     Instance,
     candidates,
     search,
-    search_mode,
     unit_costs,
 )
 from osdp_planners.errors import NoPlanFits
 from osdp_planners.evaluate import Bound, Context, Evaluation, evaluate
+from osdp_planners.explanation import Explanation, jsonable
 from osdp_planners.milp import TIME_LIMIT_S, least_peak
 from osdp_planners.options import SPLITS, Option, runtime_preference, unit_options
 from osdp_planners.plan import Baseline, Plan, Predicted, SearchReport, Strategy, UnitPlan
-from osdp_planners.request import PlanRequest
+from osdp_planners.request import PlanRequest, search_mode
 from osdp_planners.search import Candidate, least_bound
 from osdp_planners.uniform import group_size, make_plan
 from osdp_planners.units import ROOT
@@ -351,7 +352,7 @@ def to_plan(model: nn.Module, req: PlanRequest, ctx: Context, choice: Choice) ->
             checkpoint=choice.options[u.name].checkpoint,
             param_count=u.param_count,
             predicted_memory_bytes=int(ev.unit_resident[u.name]),
-            predicted_time_s=ev.unit_time_s[u.name],
+            predicted_time_s=ev.unit_seconds[u.name].total_s,
         )
         for u in ctx.profile.units
     ]
@@ -368,4 +369,21 @@ def to_plan(model: nn.Module, req: PlanRequest, ctx: Context, choice: Choice) ->
             "baselines": baselines(ctx, req),
             "search": choice.report,
         }
+    )
+
+
+def explain(ctx: Context, choice: Choice) -> Explanation:
+    """The cost model's account of `choice`, as plain data for the platform's charts and artifacts."""
+    ev = choice.evaluation
+    computed_from = {
+        "profile": jsonable(ctx.profile),
+        "measured_compute": jsonable(ctx.measured),
+        "measured_comm": jsonable(ctx.topo.measured),
+        "device": jsonable(ctx.topo.device),
+    }
+    return Explanation(
+        timeline=list(ev.timeline.events),
+        units=dict(ev.unit_seconds),
+        fixed_s=choice.grad_accum_steps * ctx.topo.step_fixed_s,
+        computed_from=json.dumps(computed_from, indent=1, default=str),
     )
