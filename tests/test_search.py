@@ -20,9 +20,10 @@ import pytest
 import torch
 
 from helpers import zoo_request
-from osdp_planners import build_context, make_plan_for, osdp
+from osdp_planners import advice, build_context, make_plan_for, osdp
+from osdp_planners.choice import Choice
 from osdp_planners.errors import NoPlanFits, UserError
-from osdp_planners.evaluate import Context
+from osdp_planners.evaluate import Context, Evaluation
 from osdp_planners.hardware import GIB
 from osdp_planners.memory_model import simulate
 from osdp_planners.options import Option, unit_options
@@ -334,7 +335,7 @@ def smallest_need(ctx: Context, workers: int) -> float:
 def test_smallest_footprint_is_no_larger_than_uniform_or_random_plans(family: str) -> None:
     ctx = context(family)
     options = unit_option_lists(ctx, 4)
-    low = osdp.smallest_footprint(ctx, zoo_request(family)).evaluation.peak_bytes
+    low = advice.smallest_footprint(ctx, zoo_request(family)).evaluation.peak_bytes
     assert low <= smallest_need(ctx, 4)
     rng = random.Random(5)
     for _ in range(200):
@@ -356,7 +357,7 @@ def test_infeasible_limit_names_the_smallest_footprint_and_the_threshold_holds(
     family: str, vocab: int | None, dim: int | None
 ) -> None:
     ctx = context(family, vocab_size=vocab, dim=dim)
-    need = osdp.smallest_footprint(ctx, zoo_request(family)).evaluation.peak_bytes
+    need = advice.smallest_footprint(ctx, zoo_request(family)).evaluation.peak_bytes
     assert need <= smallest_need(ctx, 4)  # never more than the plainest smallest plans need
     build = builder(family, 2, vocab, dim)
     with pytest.raises(UserError) as err:
@@ -378,7 +379,7 @@ def test_infeasible_limit_names_the_smallest_footprint_and_the_threshold_holds(
 )
 def test_planned_peak_fits_the_limit(family: str, factor: float, global_batch: int | None) -> None:
     ctx = context(family)
-    need = osdp.smallest_footprint(ctx, zoo_request(family)).evaluation.peak_bytes
+    need = advice.smallest_footprint(ctx, zoo_request(family)).evaluation.peak_bytes
     limit = int(factor * need)
     result = make_plan_for(builder(family, 2), zoo_request(family, limit=limit, global_batch=global_batch))
     plan = result.plan
@@ -395,9 +396,9 @@ def test_planned_peak_fits_the_limit(family: str, factor: float, global_batch: i
         assert plan.global_batch_size == global_batch
 
 
-def choice(throughput: float, *kinds: Option) -> osdp.Choice:
+def choice(throughput: float, *kinds: Option) -> Choice:
     """A plan of one unit per option with a given predicted throughput (what prefer_simpler reads)."""
-    ev = osdp.Evaluation(
+    ev = Evaluation(
         peak_bytes=0.0,
         step_time_s=1 / throughput,
         throughput=throughput,
@@ -405,7 +406,7 @@ def choice(throughput: float, *kinds: Option) -> osdp.Choice:
         unit_resident={},
         timeline=None,
     )  # type: ignore[arg-type]  # unused by the choice
-    return osdp.Choice({f"u{i}": o for i, o in enumerate(kinds)}, 1, 1, ev)
+    return Choice({f"u{i}": o for i, o in enumerate(kinds)}, 1, 1, ev)
 
 
 def test_a_harder_plan_must_be_predicted_clearly_faster() -> None:
@@ -423,7 +424,7 @@ def test_a_harder_plan_must_be_predicted_clearly_faster() -> None:
 @pytest.mark.parametrize("factor", [1.3, 2.0, 40.0])
 def test_osdp_never_trails_a_fitting_uniform_plan_by_more_than_the_resolution(factor: float) -> None:
     ctx = context("llama")
-    need = osdp.smallest_footprint(ctx, zoo_request("llama")).evaluation.peak_bytes
+    need = advice.smallest_footprint(ctx, zoo_request("llama")).evaluation.peak_bytes
     plan = make_plan_for(builder("llama", 2), zoo_request("llama", limit=int(factor * need))).plan
     got = plan.predicted.throughput_samples_per_s
     assert got is not None
@@ -456,7 +457,7 @@ def test_a_uniform_planners_advised_minimum_plans_under_that_planner(planner: st
 @pytest.mark.parametrize("factor", [1.3, 40.0])
 def test_every_plan_records_the_fastest_found_and_what_the_near_tie_rule_cost(factor: float) -> None:
     ctx = context("llama")
-    need = osdp.smallest_footprint(ctx, zoo_request("llama")).evaluation.peak_bytes
+    need = advice.smallest_footprint(ctx, zoo_request("llama")).evaluation.peak_bytes
     req = zoo_request("llama", limit=int(factor * need))
     simple = make_plan_for(builder("llama", 2), req).plan
     fastest = make_plan_for(builder("llama", 2), dataclasses.replace(req, prefer_simpler=False)).plan
