@@ -40,7 +40,7 @@ from osdp_platform.runtime.apply import Meshes
 from osdp_platform.runtime.data import load_tokens
 from osdp_platform.runtime.state import WorkerState, build_worker_state
 from osdp_platform.runtime.worker import memory_probe_steps, timed_step
-from osdp_platform.tracking.runs import Metric
+from osdp_platform.tracking.keys import Metric
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

@@ -26,9 +26,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from helpers import RECIPES
 from osdp_planners import make_plan_for
 from osdp_planners.errors import UserError
-from osdp_planners.memory_model import layout_of
 from osdp_planners.plan import Plan, Strategy
-from osdp_planners.profile import profile_model
+from osdp_planners.profiler import profile_model
+from osdp_planners.step_layout import layout_of
 from osdp_planners.uniform import group_size
 from osdp_planners.units import ROOT, find_units
 from osdp_platform.driver.cli import EXIT_USER_ERROR, main

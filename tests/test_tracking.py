@@ -26,7 +26,8 @@ from osdp_platform.driver.submit import submit
 from osdp_platform.planning.local import plan_recipe
 from osdp_platform.recipe.loader import load_recipe
 from osdp_platform.runtime.worker import train_loop
-from osdp_platform.tracking.runs import PENDING_DIR, RunKind, RunTracker
+from osdp_platform.tracking.keys import RunKind
+from osdp_platform.tracking.runs import PENDING_DIR, RunTracker
 
 pytestmark = pytest.mark.heavy
 

@@ -19,19 +19,17 @@ from osdp_planners.explanation import UnitSeconds
 from osdp_planners.memory_model import (
     ADAM_STATES,
     Footprint,
-    Layout,
     Settings,
     Timeline,
     base_levels,
     footprint,
-    layout_of,
     root_bytes,
     simulate,
-    slot_range,
 )
 from osdp_planners.options import Option
 from osdp_planners.profile import ModelProfile
 from osdp_planners.search import Candidate
+from osdp_planners.step_layout import Layout, layout_of, slot_range
 from osdp_planners.time_model import Topology, optimizer_seconds, unit_time
 
 

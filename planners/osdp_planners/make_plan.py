@@ -29,7 +29,8 @@ from osdp_planners.model_probe import Training, calibrate, measure_on_ranks
 from osdp_planners.options import Option
 from osdp_planners.osdp import search_osdp
 from osdp_planners.plan import Plan, Strategy
-from osdp_planners.profile import ModelProfile, profile_model
+from osdp_planners.profile import ModelProfile
+from osdp_planners.profiler import profile_model
 from osdp_planners.request import PlanRequest
 from osdp_planners.runtime import compute_dtype
 from osdp_planners.time_model import Topology
