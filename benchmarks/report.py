@@ -363,14 +363,20 @@ def write_report(result: dict[str, Any], md: Path, results_dir: Path, name: str)
     paper = paper_md(results_dir) or _paper(result)
     lines += _split(result, results_dir, name) + paper + _search(result) + search_md(results_dir) + _submit(result)
     lines += ["## Where OSDP does not win, and why", "", WHY, ""]
-    md.write_text("\n".join(lines) + _kept_gpu_section(md))
+    md.write_text("\n".join(lines) + _kept_sections(md))
 
 
-def _kept_gpu_section(md: Path) -> str:
-    """benchmarks/gpu_check.py's section, which runs on another machine: kept as it was."""
+KEPT = ("by_hand", "gpu_check")  # sections this script does not measure: kept by hand, and gpu_check.py's (a GPU's)
+
+
+def _kept_sections(md: Path) -> str:
+    """The sections other scripts and people wrote, each between its markers, kept as they were."""
     text = md.read_text() if md.exists() else ""
-    start, end = text.find("<!-- gpu_check -->"), text.find("<!-- /gpu_check -->")
-    return "\n" + text[start : end + len("<!-- /gpu_check -->")] + "\n" if 0 <= start < end else ""
+    kept = ""
+    for name in KEPT:
+        start, end = text.find(f"<!-- {name} -->"), text.find(f"<!-- /{name} -->")
+        kept += "\n" + text[start : end + len(f"<!-- /{name} -->")] + "\n" if 0 <= start < end else ""
+    return kept
 
 
 WHY = (
