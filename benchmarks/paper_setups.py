@@ -97,7 +97,7 @@ def fsdp_like(ctx: Context, req: PlanRequest) -> dict[str, Any] | None:
         }
         for batch, accum in batch_candidates(req):
             ev = evaluate(ctx, opts, batch, accum)
-            if ev.peak_bytes <= ctx.memory_limit and (best is None or ev.throughput > best["throughput"]):
+            if ev.peak_bytes <= ctx.usable_memory_bytes and (best is None or ev.throughput > best["throughput"]):
                 peak = ev.peak_bytes / 2**30
                 best = {"split": k, "micro_batch": batch, "throughput": ev.throughput, "peak_gib": peak}
     return best

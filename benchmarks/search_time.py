@@ -127,7 +127,7 @@ def search_bound(ctx: Context, choice: Choice) -> float:
     cands = osdp.search_candidates(
         ctx, units, {u: [o] for u, o in choice.options.items()}, choice.micro_batch_size, choice.grad_accum_steps
     )
-    return bound(cands, [0] * len(cands), quantum_for(ctx.memory_limit))
+    return bound(cands, [0] * len(cands), quantum_for(ctx.usable_memory_bytes))
 
 
 def plan_summary(ctx: Context, req: PlanRequest, choice: Choice) -> dict[str, Any]:
@@ -150,7 +150,7 @@ def plan_summary(ctx: Context, req: PlanRequest, choice: Choice) -> dict[str, An
         "grad_accum": choice.grad_accum_steps,
         "peak_gib": ev.peak_bytes / GIB,
         "bound_gib": search_bound(ctx, choice) / GIB,
-        "limit_gib": ctx.memory_limit / GIB,
+        "limit_gib": ctx.usable_memory_bytes / GIB,
         "step_time_s": ev.step_time_s,
         "throughput": ev.throughput,
         "mix": dict(mix.most_common()),

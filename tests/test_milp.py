@@ -89,7 +89,7 @@ def sampled_options(ctx: Context, case: Case) -> dict[str, list[Option]]:
 
 
 def searched(ctx: Context, mode: str, options: dict[str, list[Option]], limit: float) -> dict[str, Option] | None:
-    limited = dataclasses.replace(ctx, memory_limit=limit)
+    limited = dataclasses.replace(ctx, usable_memory_bytes=limit)
     found = osdp.search_batch(limited, mode, list(options), options, BATCH, 1)
     return None if found is None else {u: options[u][i] for u, i in zip(options, found, strict=True)}
 
@@ -194,7 +194,8 @@ def test_certified_search_is_within_its_gap_and_its_bound_holds(case: Case, monk
     every = BruteForce(ctx, options)
     for limit in every.budgets():
         expected = every.fastest_fitting(limit)
-        inst = batch_search.Instance(dataclasses.replace(ctx, memory_limit=limit), list(options), options, BATCH, 1)
+        limited = dataclasses.replace(ctx, usable_memory_bytes=limit)
+        inst = batch_search.Instance(limited, list(options), options, BATCH, 1)
         found = batch_search.search(inst, "auto")
         if expected is None:
             assert found.choice is None
@@ -219,7 +220,8 @@ def test_relax_and_fix_plans_fit_and_never_beat_the_optimum(case: Case) -> None:
     found_any = 0
     for limit in every.budgets():
         expected = every.fastest_fitting(limit)
-        inst = batch_search.Instance(dataclasses.replace(ctx, memory_limit=limit), list(options), options, BATCH, 1)
+        limited = dataclasses.replace(ctx, usable_memory_bytes=limit)
+        inst = batch_search.Instance(limited, list(options), options, BATCH, 1)
         found = inst.fixed(batch_search.AUTO_TIME_LIMIT_S)
         if expected is None:
             assert found.choice is None, (case, limit)
@@ -241,12 +243,13 @@ def test_default_search_is_within_its_gap_of_the_exact_one(monkeypatch: pytest.M
     monkeypatch.setattr(batch_search, "AUTO_MILP_BINARIES", 0)
     ctx = context("llama", 8, 4, 64)
     req = zoo_request("llama", 4, seq_len=64, global_batch=64)
-    tight = dataclasses.replace(ctx, memory_limit=1.3 * advice.smallest_footprint(ctx, req).evaluation.peak_bytes)
+    least = advice.smallest_footprint(ctx, req).evaluation.peak_bytes
+    tight = dataclasses.replace(ctx, usable_memory_bytes=1.3 * least)
     found = {}
     for mode in ("auto", "milp"):
         choice = osdp.search_osdp(tight, dataclasses.replace(req, search=mode, prefer_simpler=False))
         assert choice is not None and choice.report is not None
-        assert choice.evaluation.peak_bytes <= tight.memory_limit
+        assert choice.evaluation.peak_bytes <= tight.usable_memory_bytes
         found[mode] = choice.report
     exact = found["milp"].best.throughput_samples_per_s
     auto = found["auto"].best.throughput_samples_per_s

@@ -78,8 +78,8 @@ def infeasible(ctx: Context, req: PlanRequest) -> NoPlanFits:
         req.budget_key,
         round(req.memory_limit_bytes / GIB, 4),
         f"{what}: the smallest footprint the planner finds is {need / GIB:.4f} GiB per device "
-        f"({describe(low.options)}; micro batch {low.micro_batch_size}), and {ctx.memory_limit / GIB:.4f} GiB of the "
-        f"budget is usable after the {req.margin.describe()} margin",
+        f"({describe(low.options)}; micro batch {low.micro_batch_size}), and {ctx.usable_memory_bytes / GIB:.4f} GiB "
+        f"of the budget is usable after the {req.margin.describe()} margin",
         fix,
         advised,
     )

@@ -125,7 +125,7 @@ class Instance:
     @cached_property
     def relaxation(self) -> Relaxation:
         options, costs, _ = self.pruned
-        return relaxation(self.bound, self.units, options, costs, self.ctx.memory_limit, self.program)
+        return relaxation(self.bound, self.units, options, costs, self.ctx.usable_memory_bytes, self.program)
 
     @property
     def relaxed(self) -> float:
@@ -134,7 +134,7 @@ class Instance:
         return self.relaxation.lower
 
     def knapsack(self) -> Found:
-        found = solve(candidates(self.bound, self.units, self.options, self.costs), self.ctx.memory_limit)
+        found = solve(candidates(self.bound, self.units, self.options, self.costs), self.ctx.usable_memory_bytes)
         if found is None:
             return Found(None, math.inf, -math.inf)
         return Found(found.choice[:-1], found.time_s, -math.inf)
@@ -142,14 +142,14 @@ class Instance:
     def exact(self, time_limit: float, rel_gap: float) -> Found:
         """The program over the undominated options; indices mapped back to the full lists."""
         options, costs, _ = self.pruned
-        limit = self.ctx.memory_limit
+        limit = self.ctx.usable_memory_bytes
         found = solve_exact(self.bound, self.units, options, costs, limit, time_limit, rel_gap, self.program)
         return self._found(found, found.lower if found else -math.inf)
 
     def fixed(self, time_limit: float) -> Found:
         """The plan that keeps every unit the relaxation decided (relax_and_fix.py), bounded by the relaxation."""
         options, costs, _ = self.pruned
-        limit = self.ctx.memory_limit
+        limit = self.ctx.usable_memory_bytes
         found = fix_and_solve(self.bound, self.units, options, costs, limit, self.program, self.relaxation, time_limit)
         return self._found(found, self.relaxed)
 

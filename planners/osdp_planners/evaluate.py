@@ -40,7 +40,7 @@ class Context:
     measured: MeasuredTimes | None
     compute_bytes: int  # 2 under bf16 mixed precision, else 4
     optimizer: str
-    memory_limit: float
+    usable_memory_bytes: float  # the budget less the margin (PlanRequest.usable_memory_bytes): what a plan may reach
 
     @property
     def overlap(self) -> bool:

@@ -77,7 +77,7 @@ def _search_batches(
             continue
         chosen = {u: options[u][i] for u, i in zip(units, found.choice, strict=True)}
         ev = evaluate(ctx, chosen, inst.batch, inst.accum)
-        if ev.peak_bytes > ctx.memory_limit:  # every search promises this; never trust them blindly
+        if ev.peak_bytes > ctx.usable_memory_bytes:  # every search promises this; never trust them blindly
             continue
         if best is None or ev.throughput > best.evaluation.throughput:
             best = Choice(chosen, inst.batch, inst.accum, ev)
@@ -95,7 +95,7 @@ def search_osdp(ctx: Context, req: PlanRequest, baselines: Baselines | None = No
     # the knapsack's bound is conservative: a uniform plan, or the smallest footprint, may fit when
     # simulated and beat it
     others = [*(baselines or Baselines(ctx, req)).fitting(), smallest_footprint(ctx, req)]
-    fitting = [c for c in [best, *others] if c is not None and c.evaluation.peak_bytes <= ctx.memory_limit]
+    fitting = [c for c in [best, *others] if c is not None and c.evaluation.peak_bytes <= ctx.usable_memory_bytes]
     if not fitting:
         return None
     fastest = max(fitting, key=lambda c: c.evaluation.throughput)

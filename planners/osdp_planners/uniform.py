@@ -35,7 +35,7 @@ def best_uniform(ctx: Context, req: PlanRequest, strategy: Strategy) -> Choice |
     best: Choice | None = None
     for batch, accum in batch_candidates(req):
         ev = evaluate(ctx, options, batch, accum)
-        if ev.peak_bytes > ctx.memory_limit:
+        if ev.peak_bytes > ctx.usable_memory_bytes:
             if req.global_batch_size is None:
                 break
             continue
