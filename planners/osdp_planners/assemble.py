@@ -7,7 +7,7 @@ from torch import nn
 from osdp_planners.choice import Choice
 from osdp_planners.evaluate import Context
 from osdp_planners.explanation import Explanation, jsonable
-from osdp_planners.plan import Baseline, Margin, Plan, Predicted, UnitPlan
+from osdp_planners.plan import Baseline, Plan, Predicted, UnitPlan
 from osdp_planners.request import PlanRequest
 from osdp_planners.units import structure_hash
 
@@ -28,12 +28,7 @@ def make_plan(
         seq_len=req.seq_len,
         precision=req.precision,
         memory_limit_bytes=req.memory_limit_bytes,
-        memory_margin=Margin(
-            fraction=req.margin.fraction,
-            reserve_bytes=req.margin.reserve_bytes,
-            allocator_overhead=req.margin.allocator_overhead,
-            usable_bytes=int(req.usable_memory_bytes),
-        ),
+        memory_margin=req.margin,
         units=units,
     )
 

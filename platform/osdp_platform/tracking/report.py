@@ -76,9 +76,9 @@ def comparison(result: PlanResult) -> str:
     margin = plan.memory_margin
     allocator = f" and the allocator's {margin.allocator_overhead:.0%}" if margin and margin.allocator_overhead else ""
     usable = (
-        f" ({_fmt_bytes(margin.usable_bytes)} usable after a {margin.fraction:.0%} + "
+        f" ({_fmt_bytes(margin.usable(plan.memory_limit_bytes))} usable after a {margin.fraction:.0%} + "
         f"{_fmt_bytes(margin.reserve_bytes)} margin{allocator})"
-        if margin
+        if margin and plan.memory_limit_bytes
         else ""
     )
     reserved = (
