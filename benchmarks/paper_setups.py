@@ -5,7 +5,7 @@ Plans only (meta device, no Ray, no accelerator). The paper's FSDP baseline wrap
 least 1M parameters (fairscale auto_wrap, opt/train_opt_fsdp.py), finer than our uniform ZeRO-3, whose
 units are blocks; the nearest plan in our space is ZeRO-3 with every unit's Linears split k ways, so the
 `fsdp_like` column is the best such plan over k (evaluated by the same cost model). Writes
-benchmarks/results/paper_setups.json; benchmarks/report.py renders it into RESULTS.md.
+benchmarks/results/paper_setups.json; benchmarks/results_md.py renders it into RESULTS.md.
 Run: .venv/bin/python benchmarks/paper_setups.py
 """
 

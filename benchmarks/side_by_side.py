@@ -26,7 +26,7 @@ from cells import BUDGET_POINTS, SHAPES, Jobs, plan_cells, recipe_for, same_run,
 from ray.train import ScalingConfig
 from ray.train.torch import TorchTrainer
 from ray.util.queue import Queue
-from report import write_report
+from results_md import write_report
 from rich.console import Console
 
 from osdp_planners.errors import UserError
