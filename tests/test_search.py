@@ -11,16 +11,18 @@ import itertools
 import math
 import random
 import re
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from helpers import zoo_request
-from osdp_planners import advice, build_context, make_plan_for, osdp
+from osdp_planners import advice, build_context, make_plan_for, osdp, uniform
 from osdp_planners.choice import Choice
 from osdp_planners.errors import NoPlanFits, UserError
 from osdp_planners.evaluate import Context, Evaluation
@@ -28,6 +30,7 @@ from osdp_planners.hardware import GIB
 from osdp_planners.memory_model import simulate
 from osdp_planners.options import Option, unit_options
 from osdp_planners.plan import Strategy
+from osdp_planners.request import PlanRequest
 from osdp_planners.search import BUCKETS, Candidate, bound, quantum_for, solve
 from osdp_platform.zoo import build_zoo_model
 
@@ -472,3 +475,27 @@ def test_every_plan_records_the_fastest_found_and_what_the_near_tie_rule_cost(fa
     assert simple.search.simplicity_cost == pytest.approx(1 - got / best, abs=1e-12)
     assert got * (1 + osdp.NEAR_TIE) >= best
     assert ("prefer_simpler" in simple.search.chosen_by) == (got < best)
+
+
+@pytest.mark.parametrize("planner", ["osdp", "zero3", "manual"])
+def test_each_uniform_baseline_is_found_once_per_plan(
+    planner: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The search weighs the uniform plans, the plan records them and a uniform planner returns one: one
+    search per strategy serves all three."""
+    calls: Counter[Strategy] = Counter()
+    found = uniform.best_uniform
+
+    def counted(ctx: Context, req: PlanRequest, strategy: Strategy) -> Choice | None:
+        calls[strategy] += 1
+        return found(ctx, req, strategy)
+
+    req = dataclasses.replace(zoo_request("llama"), planner=planner)
+    if planner == "manual":
+        path = tmp_path / "plan.json"
+        path.write_text(make_plan_for(builder("llama", 2), zoo_request("llama")).plan.to_json())
+        req = dataclasses.replace(req, plan_file=str(path))
+    monkeypatch.setattr(uniform, "best_uniform", counted)
+    plan = make_plan_for(builder("llama", 2), req).plan
+    assert calls == {s: 1 for s in Strategy}
+    assert set(plan.baselines) == {s.value for s in Strategy}
