@@ -27,31 +27,26 @@ from osdp_planners.local_ranks import run_ranks, slowest
 from osdp_planners.plan import Plan
 from osdp_platform.driver.submit import submit
 from osdp_platform.recipe.loader import load_recipe
-from osdp_platform.runtime.apply import apply_plan
-from osdp_platform.runtime.models import build_model
-from osdp_platform.runtime.step import build_optimizer, train_step
+from osdp_platform.runtime.data import load_tokens
+from osdp_platform.runtime.state import build_worker_state
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny.yaml"
 RESULTS = Path(__file__).resolve().parent / "results" / "fidelity.json"
 BARE_STEPS, BARE_WARMUP = 30, 5
 
 
-def bare_rank(_rank: int, _world: int, args: list[str]) -> dict[str, float]:
+def bare_rank(rank: int, world: int, args: list[str]) -> dict[str, float]:
     """Each plan's median step (slowest rank), as the worker loop times it, on plain gloo processes."""
     recipe = load_recipe(RECIPE, [])
+    tokens = load_tokens(recipe.data, recipe.train.seed)
     out = {}
     for name, plan_json in json.loads(Path(args[0]).read_text()).items():
-        plan = Plan.model_validate_json(plan_json)
-        torch.manual_seed(0)
-        model = build_model(recipe.model, "cpu")
-        apply_plan(model, plan, "cpu")
-        optimizer = build_optimizer(model, recipe.train)
-        x = torch.randint(0, 256, (plan.micro_batch_size, plan.seq_len))
+        state = build_worker_state(recipe, Plan.model_validate_json(plan_json), torch.device("cpu"), tokens=tokens)
         times = []
         for i in range(BARE_STEPS):
             dist.barrier()
             t0 = time.perf_counter()
-            train_step(model, optimizer, [(x, x)], 1)
+            state.step(i, rank, world)
             if i >= BARE_WARMUP:
                 times += slowest([time.perf_counter() - t0])
         out[name] = statistics.median(times)

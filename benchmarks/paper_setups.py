@@ -5,7 +5,7 @@ Plans only (meta device, no Ray, no accelerator). The paper's FSDP baseline wrap
 least 1M parameters (fairscale auto_wrap, opt/train_opt_fsdp.py), finer than our uniform ZeRO-3, whose
 units are blocks; the nearest plan in our space is ZeRO-3 with every unit's Linears split k ways, so the
 `fsdp_like` column is the best such plan over k (evaluated by the same cost model). Writes
-benchmarks/results/paper_setups.json; benchmarks/report.py renders it into RESULTS.md.
+benchmarks/results/paper_setups.json; benchmarks/results_md.py renders it into RESULTS.md.
 Run: .venv/bin/python benchmarks/paper_setups.py
 """
 
@@ -17,9 +17,9 @@ from typing import Any
 
 from osdp_planners.evaluate import Context, evaluate
 from osdp_planners.options import SPLITS, Option
-from osdp_planners.osdp import batch_candidates
 from osdp_planners.plan import Plan, Strategy
 from osdp_planners.request import PlanRequest
+from osdp_planners.space import batch_candidates
 from osdp_platform.planning.local import plan_recipe, plan_request
 from osdp_platform.recipe.loader import load_recipe
 
@@ -97,7 +97,7 @@ def fsdp_like(ctx: Context, req: PlanRequest) -> dict[str, Any] | None:
         }
         for batch, accum in batch_candidates(req):
             ev = evaluate(ctx, opts, batch, accum)
-            if ev.peak_bytes <= ctx.memory_limit and (best is None or ev.throughput > best["throughput"]):
+            if ev.peak_bytes <= ctx.usable_memory_bytes and (best is None or ev.throughput > best["throughput"]):
                 peak = ev.peak_bytes / 2**30
                 best = {"split": k, "micro_batch": batch, "throughput": ev.throughput, "peak_gib": peak}
     return best

@@ -20,6 +20,7 @@ from typing import Any
 
 import osdp_planners.osdp as osdp
 from osdp_planners import build_context
+from osdp_planners.choice import describe
 from osdp_platform.planning.local import plan_request
 from osdp_platform.recipe.loader import load_recipe
 from osdp_platform.runtime.models import build_model
@@ -53,7 +54,7 @@ def run(ctx: Any, req: Any, mode: str) -> dict[str, Any]:
         "fastest_found": r.best.throughput_samples_per_s,
         "upper_bound": r.throughput_upper_bound,
         "optimality_gap": r.optimality_gap,
-        "plan": osdp.describe(choice.options),
+        "plan": describe(choice.options),
     }
 
 

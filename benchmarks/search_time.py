@@ -31,11 +31,14 @@ from rich.table import Table
 
 import osdp_planners.osdp as osdp
 from osdp_planners import build_context
+from osdp_planners.choice import Choice
 from osdp_planners.evaluate import Context
 from osdp_planners.hardware import GIB, PRESETS, get_preset
 from osdp_planners.plan import Strategy
 from osdp_planners.request import PlanRequest
 from osdp_planners.search import bound, quantum_for
+from osdp_planners.space import batch_candidates, unit_option_lists
+from osdp_planners.uniform import best_uniform
 from osdp_platform.zoo import build_zoo_model
 
 RESULTS = Path(__file__).resolve().parent / "results" / "search_time.json"
@@ -106,8 +109,8 @@ def phase_timers() -> Iterator[dict[str, float]]:
 
 def space(ctx: Context, req: PlanRequest) -> dict[str, Any]:
     """Size of what the search looks at: units, options per unit, batch candidates."""
-    per_unit = [len(opts) for opts in osdp.unit_option_lists(ctx, req).values()]
-    batches = osdp.batch_candidates(req)
+    per_unit = [len(opts) for opts in unit_option_lists(ctx, req).values()]
+    batches = batch_candidates(req)
     return {
         "units": len(per_unit),
         "options_per_unit_max": max(per_unit),
@@ -118,16 +121,16 @@ def space(ctx: Context, req: PlanRequest) -> dict[str, Any]:
     }
 
 
-def search_bound(ctx: Context, choice: osdp.Choice) -> float:
+def search_bound(ctx: Context, choice: Choice) -> float:
     """The search's memory bound for the chosen options (what solve kept under the limit)."""
     units = list(choice.options)
     cands = osdp.search_candidates(
         ctx, units, {u: [o] for u, o in choice.options.items()}, choice.micro_batch_size, choice.grad_accum_steps
     )
-    return bound(cands, [0] * len(cands), quantum_for(ctx.memory_limit))
+    return bound(cands, [0] * len(cands), quantum_for(ctx.usable_memory_bytes))
 
 
-def plan_summary(ctx: Context, req: PlanRequest, choice: osdp.Choice) -> dict[str, Any]:
+def plan_summary(ctx: Context, req: PlanRequest, choice: Choice) -> dict[str, Any]:
     ev = choice.evaluation
     mix = Counter(
         f"{o.strategy.value}/g{o.shard_group_size}/split{o.split}{'/ckpt' if o.checkpoint else ''}"
@@ -135,24 +138,24 @@ def plan_summary(ctx: Context, req: PlanRequest, choice: osdp.Choice) -> dict[st
     )
     uniform = {}
     for s in Strategy:
-        found = osdp.best_uniform(ctx, req, s)
+        found = best_uniform(ctx, req, s)
         uniform[s.value] = (
             None
             if found is None
             else {"micro_batch": found.micro_batch_size, "throughput": found.evaluation.throughput}
         )
-    best_uniform = max((u["throughput"] for u in uniform.values() if u), default=None)
+    fastest_uniform = max((u["throughput"] for u in uniform.values() if u), default=None)
     return {
         "micro_batch": choice.micro_batch_size,
         "grad_accum": choice.grad_accum_steps,
         "peak_gib": ev.peak_bytes / GIB,
         "bound_gib": search_bound(ctx, choice) / GIB,
-        "limit_gib": ctx.memory_limit / GIB,
+        "limit_gib": ctx.usable_memory_bytes / GIB,
         "step_time_s": ev.step_time_s,
         "throughput": ev.throughput,
         "mix": dict(mix.most_common()),
         "uniform": uniform,
-        "vs_best_uniform": None if best_uniform is None else ev.throughput / best_uniform,
+        "vs_best_uniform": None if fastest_uniform is None else ev.throughput / fastest_uniform,
     }
 
 

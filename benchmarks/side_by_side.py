@@ -26,9 +26,8 @@ from cells import BUDGET_POINTS, SHAPES, Jobs, plan_cells, recipe_for, same_run,
 from ray.train import ScalingConfig
 from ray.train.torch import TorchTrainer
 from ray.util.queue import Queue
-from report import write_report
+from results_md import write_report
 from rich.console import Console
-from torch import nn
 
 from osdp_planners.errors import UserError
 from osdp_planners.local_ranks import pin_to_core
@@ -37,12 +36,11 @@ from osdp_platform.driver.submit import submit
 from osdp_platform.planning.local import plan_recipe
 from osdp_platform.recipe.loader import load_recipe
 from osdp_platform.recipe.schema import Recipe
-from osdp_platform.runtime.apply import Meshes, apply_plan
-from osdp_platform.runtime.data import BatchSampler, load_tokens
-from osdp_platform.runtime.models import build_model
-from osdp_platform.runtime.step import build_optimizer, train_step
+from osdp_platform.runtime.apply import Meshes
+from osdp_platform.runtime.data import load_tokens
+from osdp_platform.runtime.state import WorkerState, build_worker_state
 from osdp_platform.runtime.worker import memory_probe_steps, timed_step
-from osdp_platform.tracking.runs import Metric
+from osdp_platform.tracking.keys import Metric
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -59,36 +57,24 @@ PAPER = {  # recipe, overrides, what the OSDP paper's research code published fo
 
 @dataclass
 class _Live:
-    """One plan built once on this rank (model, optimizer, batches), stepped turn by turn."""
+    """One plan built once on this rank as a worker builds it, stepped turn by turn."""
 
-    plan: Plan
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    sampler: BatchSampler
+    state: WorkerState
     done: int = 0  # steps taken so far
-
-
-def _build(recipe: Recipe, plan: Plan, meshes: Meshes | None) -> tuple[_Live, Meshes]:
-    torch.manual_seed(recipe.train.seed)
-    model = build_model(recipe.model, "cpu")
-    meshes = apply_plan(model, plan, "cpu", meshes)
-    sampler = BatchSampler(load_tokens(recipe.data, recipe.train.seed), plan.seq_len, recipe.train.seed)
-    return _Live(plan, model, build_optimizer(model, recipe.train), sampler), meshes
 
 
 def _turn(live: _Live, steps: int, probes: set[int], rank: int, world: int) -> list[dict[str, float]]:
     """`steps` more steps of one plan, each timed as the worker loop times it; `probes` are turn-local
     indices of the steps whose peak memory is measured."""
     record: list[dict[str, float]] = []
-    plan = live.plan
+    state = live.state
     for i in range(steps):
-        batches = list(live.sampler.micro_batches(live.done, plan.grad_accum_steps, plan.micro_batch_size, rank, world))
         losses: list[float] = []
 
-        def one_step(batches: list = batches, losses: list[float] = losses) -> None:
-            losses.append(float(train_step(live.model, live.optimizer, batches, plan.grad_accum_steps)))
+        def one_step(step: int = live.done, losses: list[float] = losses) -> None:
+            losses.append(float(state.step(step, rank, world)))
 
-        times, peaks, peak = timed_step(live.model, live.optimizer, one_step, torch.device("cpu"), world, i in probes)
+        times, peaks, peak = timed_step(state.model, state.optimizer, one_step, torch.device("cpu"), world, i in probes)
         record.append(
             {"step_time_s": max(times), "loss": losses[0]}
             | ({"peak_memory_bytes": max(peaks)} if peak is not None else {})
@@ -109,12 +95,16 @@ def _run_plans(config: dict[str, Any]) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     pin_to_core(ctx.get_local_rank(), ctx.get_local_world_size())
     recipes = {s: Recipe.model_validate(r) for s, r in config["recipes"].items()}
-    meshes = None
+    meshes = Meshes("cpu", world, {})  # process groups made once, shared by every plan built here
     for shape in recipes:
         keys = [k for k, (s, _) in config["jobs"].items() if s == shape]
         live: dict[str, _Live] = {}
+        tokens = load_tokens(recipes[shape].data, recipes[shape].train.seed)
         for key in keys:
-            live[key], meshes = _build(recipes[shape], Plan.model_validate_json(config["jobs"][key][1]), meshes)
+            plan = Plan.model_validate_json(config["jobs"][key][1])
+            live[key] = _Live(
+                build_worker_state(recipes[shape], plan, torch.device("cpu"), meshes=meshes, tokens=tokens)
+            )
             record = _turn(live[key], WARMUP_STEPS, memory_probe_steps(WARMUP_STEPS, "cpu"), rank, world)
             if rank == 0:
                 config["results"].put((WARMUP_ROUND, key, record))

@@ -8,20 +8,22 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from osdp_planners.make_plan import Builder, PlanResult, build_context, make_plan_for
+    from osdp_planners.explanation import Explanation, PlanResult
+    from osdp_planners.make_plan import Builder, build_context, make_plan_for
     from osdp_planners.plan import Plan
     from osdp_planners.request import PlanRequest
 
 _HOME = {
     "Builder": "make_plan",
-    "PlanResult": "make_plan",
+    "Explanation": "explanation",
+    "PlanResult": "explanation",
     "build_context": "make_plan",
     "make_plan_for": "make_plan",
     "Plan": "plan",
     "PlanRequest": "request",
 }
 
-__all__ = ["Builder", "Plan", "PlanRequest", "PlanResult", "build_context", "make_plan_for"]
+__all__ = ["Builder", "Explanation", "Plan", "PlanRequest", "PlanResult", "build_context", "make_plan_for"]
 
 
 def __getattr__(name: str) -> Any:

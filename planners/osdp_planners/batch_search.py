@@ -15,7 +15,6 @@ Every answer carries the bound, so the planner can print the gap it proved.
 """
 
 import math
-import warnings
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -27,29 +26,12 @@ from osdp_planners.relax_and_fix import fix_and_solve
 from osdp_planners.search import Candidate, solve
 
 TIE_BREAK = 1e-8
-MODES = ("auto", "knapsack", "milp")
-RENAMED = {"dp": "knapsack"}  # accepted for one release: DP means data parallel everywhere else
 # auto solves the program exactly up to this many binaries (units x undominated options): measured on
 # Llama-tiny stacks, HiGHS proves the optimum within a second up to ~1,600 binaries
 AUTO_MILP_BINARIES = 1100
 AUTO_TIME_LIMIT_S = 5.0  # per micro batch; the best plan found by then is used, with the bound proved by then
 # auto's target beyond AUTO_MILP_BINARIES: the plan is proven at most this share slower than the optimum
 CERTIFIED_GAP = 0.005
-
-
-def search_mode(mode: str) -> str:
-    """The search a request names, the old name `dp` with a warning."""
-    if mode in RENAMED:
-        warnings.warn(
-            f"planner.search={mode} is renamed {RENAMED[mode]} (DP means data parallel elsewhere); "
-            f"the old name will be refused in the next release",
-            FutureWarning,
-            stacklevel=2,
-        )
-        return RENAMED[mode]
-    if mode not in MODES:
-        raise ValueError(f"unknown search {mode!r}: use one of {', '.join(MODES)}")
-    return mode
 
 
 def _time_key(ctx: Context, bound: Bound, unit: str) -> tuple[object, ...]:
@@ -143,7 +125,7 @@ class Instance:
     @cached_property
     def relaxation(self) -> Relaxation:
         options, costs, _ = self.pruned
-        return relaxation(self.bound, self.units, options, costs, self.ctx.memory_limit, self.program)
+        return relaxation(self.bound, self.units, options, costs, self.ctx.usable_memory_bytes, self.program)
 
     @property
     def relaxed(self) -> float:
@@ -152,7 +134,7 @@ class Instance:
         return self.relaxation.lower
 
     def knapsack(self) -> Found:
-        found = solve(candidates(self.bound, self.units, self.options, self.costs), self.ctx.memory_limit)
+        found = solve(candidates(self.bound, self.units, self.options, self.costs), self.ctx.usable_memory_bytes)
         if found is None:
             return Found(None, math.inf, -math.inf)
         return Found(found.choice[:-1], found.time_s, -math.inf)
@@ -160,14 +142,14 @@ class Instance:
     def exact(self, time_limit: float, rel_gap: float) -> Found:
         """The program over the undominated options; indices mapped back to the full lists."""
         options, costs, _ = self.pruned
-        limit = self.ctx.memory_limit
+        limit = self.ctx.usable_memory_bytes
         found = solve_exact(self.bound, self.units, options, costs, limit, time_limit, rel_gap, self.program)
         return self._found(found, found.lower if found else -math.inf)
 
     def fixed(self, time_limit: float) -> Found:
         """The plan that keeps every unit the relaxation decided (relax_and_fix.py), bounded by the relaxation."""
         options, costs, _ = self.pruned
-        limit = self.ctx.memory_limit
+        limit = self.ctx.usable_memory_bytes
         found = fix_and_solve(self.bound, self.units, options, costs, limit, self.program, self.relaxation, time_limit)
         return self._found(found, self.relaxed)
 

@@ -15,22 +15,21 @@ from functools import cached_property
 import numpy as np
 
 from osdp_planners.compute_probe import MeasuredTimes
+from osdp_planners.explanation import UnitSeconds
 from osdp_planners.memory_model import (
     ADAM_STATES,
     Footprint,
-    Layout,
     Settings,
     Timeline,
     base_levels,
     footprint,
-    layout_of,
     root_bytes,
     simulate,
-    slot_range,
 )
 from osdp_planners.options import Option
 from osdp_planners.profile import ModelProfile
 from osdp_planners.search import Candidate
+from osdp_planners.step_layout import Layout, layout_of, slot_range
 from osdp_planners.time_model import Topology, optimizer_seconds, unit_time
 
 
@@ -41,7 +40,7 @@ class Context:
     measured: MeasuredTimes | None
     compute_bytes: int  # 2 under bf16 mixed precision, else 4
     optimizer: str
-    memory_limit: float
+    usable_memory_bytes: float  # the budget less the margin (PlanRequest.usable_memory_bytes): what a plan may reach
 
     @property
     def overlap(self) -> bool:
@@ -85,7 +84,7 @@ class Evaluation:
     peak_bytes: float
     step_time_s: float
     throughput: float  # samples per second
-    unit_time_s: dict[str, float]
+    unit_seconds: dict[str, UnitSeconds]
     unit_resident: dict[str, float]
     timeline: Timeline
 
@@ -187,16 +186,22 @@ def _nonempty(layout: Layout, unit: str, slot: int) -> bool:
     return a <= z
 
 
-def unit_seconds(ctx: Context, unit: str, opt: Option, batch: int, accum: int) -> float:
+def unit_parts(ctx: Context, unit: str, opt: Option, batch: int, accum: int) -> UnitSeconds:
+    """One unit's seconds per step by part: communication counts where compute does not hide it."""
     t = unit_time(ctx.profile, unit, opt, batch, ctx.topo, ctx.measured, ctx.compute_bytes, ctx.overlap)
-    return accum * t.total_s + optimizer_seconds(ctx.profile, {unit: opt}, ctx.topo, ctx.measured)
+    optimizer = optimizer_seconds(ctx.profile, {unit: opt}, ctx.topo, ctx.measured)
+    return UnitSeconds(accum * t.compute_s, accum * (t.total_s - t.compute_s), optimizer)
+
+
+def unit_seconds(ctx: Context, unit: str, opt: Option, batch: int, accum: int) -> float:
+    return unit_parts(ctx, unit, opt, batch, accum).total_s
 
 
 def evaluate(ctx: Context, options: dict[str, Option], batch: int, accum: int) -> Evaluation:
     timeline = simulate(ctx.profile, options, batch, ctx.compute_bytes, ctx.optimizer, accum, ctx.overlap)
-    times = {u: unit_seconds(ctx, u, o, batch, accum) for u, o in options.items()}
-    step = sum(times.values()) + accum * ctx.topo.step_fixed_s
+    parts = {u: unit_parts(ctx, u, o, batch, accum) for u, o in options.items()}
+    step = sum(p.total_s for p in parts.values()) + accum * ctx.topo.step_fixed_s
     samples = batch * accum * ctx.topo.world_size
     bound = Bound(ctx, batch, accum)
     resident = {u: bound.candidates(u, [o], [0.0])[0].resident for u, o in options.items()}
-    return Evaluation(timeline.peak, step, samples / step, times, resident, timeline)
+    return Evaluation(timeline.peak, step, samples / step, parts, resident, timeline)

@@ -9,36 +9,34 @@ import os
 import traceback
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from osdp_planners.advice import infeasible
+from osdp_planners.assemble import explain, to_plan
 from osdp_planners.block_probe import measure_blocks
+from osdp_planners.choice import Choice
 from osdp_planners.comm_probe import CommProfile, cached_comm
 from osdp_planners.compute_probe import MeasuredTimes, measure_times
 from osdp_planners.errors import UserError, UserErrors
 from osdp_planners.evaluate import Context, evaluate
+from osdp_planners.explanation import PlanResult
 from osdp_planners.local_ranks import cache_file, cached
 from osdp_planners.model_probe import Training, calibrate, measure_on_ranks
 from osdp_planners.options import Option
-from osdp_planners.osdp import Choice, best_uniform, infeasible, search_osdp, to_plan
+from osdp_planners.osdp import search_osdp
 from osdp_planners.plan import Plan, Strategy
-from osdp_planners.profile import ModelProfile, profile_model
+from osdp_planners.profile import ModelProfile
+from osdp_planners.profiler import profile_model
 from osdp_planners.request import PlanRequest
 from osdp_planners.runtime import compute_dtype
 from osdp_planners.time_model import Topology
 from osdp_planners.trace import MODEL_CONTRACT
+from osdp_planners.uniform import Baselines
 from osdp_planners.units import structure_hash
-
-
-@dataclass(frozen=True)
-class PlanResult:
-    plan: Plan
-    context: Context
-
 
 Builder = Callable[[str], nn.Module]  # device name -> model constructed there
 PROFILES_KEPT = 8  # models whose profile a process keeps (each is a few hundred small records)
@@ -226,18 +224,23 @@ def _planning_failed(req: PlanRequest, exc: Exception) -> UserError:
 
 
 def _make_plan(build: Builder, req: PlanRequest, measure_on: str | None) -> PlanResult:
+    return plan_in(build, req, build_context(build, req, measure_on))
+
+
+def plan_in(build: Builder, req: PlanRequest, ctx: Context) -> PlanResult:
+    """The plan `req.planner` makes in a context already built (profiled and timed): no probe runs here."""
     model = build("meta")
-    ctx = build_context(build, req, measure_on)
+    baselines = Baselines(ctx, req)  # each found once: the search weighs them, the plan records them
     if req.planner == "osdp":
-        choice = search_osdp(ctx, req)
+        choice = search_osdp(ctx, req, baselines)
     elif req.planner == "manual":
         choice = _manual(model, req, ctx)
     elif req.planner in {s.value for s in Strategy}:
-        choice = best_uniform(ctx, req, Strategy(req.planner))
+        choice = baselines.best(Strategy(req.planner))
     else:
         raise UserError(
             "planner.name", req.planner, "is not a known planner", "use osdp, manual, ddp, zero2, zero3 or hsdp"
         )
     if choice is None:
         raise infeasible(ctx, req)
-    return PlanResult(to_plan(model, req, ctx, choice), ctx)
+    return PlanResult(to_plan(model, req, ctx, choice, baselines.records()), explain(ctx, choice), ctx)

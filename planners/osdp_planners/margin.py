@@ -10,11 +10,13 @@ predicts the allocated peak and budgets it times (1 + `allocator_overhead`), 25%
 The CUDA context and NCCL's buffers live outside torch's counters (`reserve_bytes`), and the
 simulation is within a few percent of FSDP2's real peak, not exact (`fraction` of the budget).
 The search fills what `usable` leaves; the advice for a budget that fits nothing adds it all back,
-so that following the advice yields a plan.
+so that following the advice yields a plan. One class: what a request asks for is what the plan records.
 """
 
 import math
-from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from osdp_planners.hardware import GIB
 
@@ -25,11 +27,22 @@ DEFAULT_RESERVE_BYTES = {"cpu": 0, "gpu": GIB}
 DEFAULT_ALLOCATOR_OVERHEAD = {"cpu": 0.0, "gpu": 0.25}
 
 
-@dataclass(frozen=True)
-class MemoryMargin:
-    fraction: float = 0.0  # of the budget: the model's error grows with it
-    reserve_bytes: int = 0  # fixed: CUDA context, communication buffers
-    allocator_overhead: float = 0.0  # what the caching allocator reserves over the allocated peak
+class MemoryMargin(BaseModel):
+    """The memory kept unplanned, as a request asks for it and a plan records it (`usable` says what is left)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    fraction: float = Field(default=0.0, ge=0, lt=1, description="of the budget: the model's error grows with it")
+    reserve_bytes: int = Field(default=0, ge=0, description="fixed: CUDA context, communication buffers")
+    allocator_overhead: float = Field(
+        default=0.0, ge=0, description="what the caching allocator reserves over the allocated peak"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derived(cls, data: Any) -> Any:
+        """Plans written with two margin classes recorded the usable bytes here too: derived, so dropped."""
+        return {k: v for k, v in data.items() if k != "usable_bytes"} if isinstance(data, dict) else data
 
     @classmethod
     def default(
@@ -41,9 +54,11 @@ class MemoryMargin:
     ) -> "MemoryMargin":
         """The device kind's defaults, each overridden where the recipe sets it."""
         return cls(
-            DEFAULT_FRACTION[accelerator] if fraction is None else fraction,
-            DEFAULT_RESERVE_BYTES[accelerator] if reserve_bytes is None else reserve_bytes,
-            DEFAULT_ALLOCATOR_OVERHEAD[accelerator] if allocator_overhead is None else allocator_overhead,
+            fraction=DEFAULT_FRACTION[accelerator] if fraction is None else fraction,
+            reserve_bytes=DEFAULT_RESERVE_BYTES[accelerator] if reserve_bytes is None else reserve_bytes,
+            allocator_overhead=DEFAULT_ALLOCATOR_OVERHEAD[accelerator]
+            if allocator_overhead is None
+            else allocator_overhead,
         )
 
     def usable(self, budget: float) -> float:

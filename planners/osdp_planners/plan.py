@@ -10,6 +10,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from osdp_planners.margin import MemoryMargin
+
 PLAN_VERSION = 1
 
 
@@ -43,16 +45,6 @@ class Predicted(_Strict):
     throughput_samples_per_s: float | None = None
     # where compute times came from: "measured" on the pool's device, or "preset <name>" (FLOPs over its rate)
     times_from: str | None = None
-
-
-class Margin(_Strict):
-    """The memory kept unplanned (planners/osdp_planners/margin.py):
-    usable = (budget x (1 - fraction) - reserve) / (1 + allocator_overhead), the allocated peak a plan may reach."""
-
-    fraction: float = Field(ge=0, lt=1)
-    reserve_bytes: int = Field(ge=0)
-    allocator_overhead: float = Field(default=0.0, ge=0)
-    usable_bytes: int
 
 
 class Baseline(_Strict):
@@ -97,7 +89,7 @@ class Plan(_Strict):
     precision: str = "fp32"
     compile: bool = False  # each unit's forward through torch.compile (train.compile)
     memory_limit_bytes: int | None = None
-    memory_margin: Margin | None = None
+    memory_margin: MemoryMargin | None = None  # the memory kept unplanned (margin.py)
     units: list[UnitPlan]
     predicted: Predicted = Field(default_factory=Predicted)
     baselines: dict[str, Baseline] = Field(default_factory=dict)

@@ -1,9 +1,28 @@
 """What a planner is asked: the model's context (pool, limits, batch, precision), independent of recipes."""
 
+import warnings
 from dataclasses import dataclass, field
 
 from osdp_planners.hardware import DevicePreset
 from osdp_planners.margin import MemoryMargin
+
+SEARCHES = ("auto", "knapsack", "milp")  # how osdp searches (batch_search.py)
+RENAMED = {"dp": "knapsack"}  # accepted for one release: DP means data parallel everywhere else
+
+
+def search_mode(mode: str) -> str:
+    """The search a request names, the old name `dp` with a warning."""
+    if mode in RENAMED:
+        warnings.warn(
+            f"planner.search={mode} is renamed {RENAMED[mode]} (DP means data parallel elsewhere); "
+            f"the old name will be refused in the next release",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return RENAMED[mode]
+    if mode not in SEARCHES:
+        raise ValueError(f"unknown search {mode!r}: use one of {', '.join(SEARCHES)}")
+    return mode
 
 
 @dataclass(frozen=True)

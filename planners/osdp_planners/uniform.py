@@ -1,10 +1,19 @@
-"""Uniform plans: one strategy for every unit (the baselines OSDP is compared against)."""
+"""Uniform plans: one strategy for every unit (the baselines OSDP is compared against).
+
+`Baselines` finds each strategy's best plan once per plan made: the osdp search weighs them as
+candidates, the plan records them for comparison, and a uniform planner returns its own.
+"""
 
 from torch import nn
 
-from osdp_planners.plan import Margin, Plan, Strategy, UnitPlan
+from osdp_planners.assemble import make_plan
+from osdp_planners.choice import Choice
+from osdp_planners.evaluate import Context, evaluate
+from osdp_planners.options import Option
+from osdp_planners.plan import Baseline, Plan, Strategy, UnitPlan
 from osdp_planners.request import PlanRequest
-from osdp_planners.units import Unit, find_units, structure_hash
+from osdp_planners.space import batch_candidates
+from osdp_planners.units import Unit, find_units
 
 
 def group_size(strategy: Strategy, req: PlanRequest) -> int:
@@ -15,6 +24,67 @@ def group_size(strategy: Strategy, req: PlanRequest) -> int:
     return req.world_size
 
 
+def uniform_options(ctx: Context, req: PlanRequest, strategy: Strategy) -> dict[str, Option]:
+    opt = Option(strategy, group_size(strategy, req))
+    return {u.name: opt for u in ctx.profile.units}
+
+
+def best_uniform(ctx: Context, req: PlanRequest, strategy: Strategy) -> Choice | None:
+    """A uniform strategy at its best-throughput batch whose simulated peak fits."""
+    options = uniform_options(ctx, req, strategy)
+    best: Choice | None = None
+    for batch, accum in batch_candidates(req):
+        ev = evaluate(ctx, options, batch, accum)
+        if ev.peak_bytes > ctx.usable_memory_bytes:
+            if req.global_batch_size is None:
+                break
+            continue
+        if best is None or ev.throughput > best.evaluation.throughput:
+            best = Choice(options, batch, accum, ev)
+    return best
+
+
+def uniform_footprint(ctx: Context, req: PlanRequest, strategy: Strategy) -> Choice:
+    """The least memory a uniform plan of `strategy` needs: at the smallest batch, as best_uniform plans it."""
+    options = uniform_options(ctx, req, strategy)
+    batch, accum = min(batch_candidates(req))
+    return Choice(options, batch, accum, evaluate(ctx, options, batch, accum))
+
+
+class Baselines:
+    """Each strategy's best uniform plan in one context, found on first use and kept."""
+
+    def __init__(self, ctx: Context, req: PlanRequest) -> None:
+        self._ctx, self._req = ctx, req
+        self._found: dict[Strategy, Choice | None] = {}
+
+    def best(self, strategy: Strategy) -> Choice | None:
+        if strategy not in self._found:
+            self._found[strategy] = best_uniform(self._ctx, self._req, strategy)
+        return self._found[strategy]
+
+    def fitting(self) -> list[Choice]:
+        return [c for c in (self.best(s) for s in Strategy) if c is not None]
+
+    def records(self) -> dict[str, Baseline]:
+        """What the plan document says of each: its batch and predictions, or that it does not fit."""
+        out = {}
+        for strategy in Strategy:
+            found = self.best(strategy)
+            if found is None:
+                out[strategy.value] = Baseline(fits=False)
+                continue
+            ev = found.evaluation
+            out[strategy.value] = Baseline(
+                fits=True,
+                micro_batch_size=found.micro_batch_size,
+                peak_memory_bytes=int(ev.peak_bytes),
+                step_time_s=ev.step_time_s,
+                throughput_samples_per_s=ev.throughput,
+            )
+        return out
+
+
 def unit_plans(units: list[Unit], strategy: Strategy, req: PlanRequest) -> list[UnitPlan]:
     g = group_size(strategy, req)
     return [
@@ -23,35 +93,9 @@ def unit_plans(units: list[Unit], strategy: Strategy, req: PlanRequest) -> list[
     ]
 
 
-def make_plan(
-    model: nn.Module, req: PlanRequest, units: list[UnitPlan], micro_batch_size: int, grad_accum_steps: int
-) -> Plan:
-    """Assemble the plan document for `model` (predictions filled in by the cost model, if any)."""
-    return Plan(
-        planner=req.planner,
-        model=req.model_label,
-        structure_hash=structure_hash(model),
-        world_size=req.world_size,
-        nodes=req.nodes,
-        workers_per_node=req.workers_per_node,
-        micro_batch_size=micro_batch_size,
-        grad_accum_steps=grad_accum_steps,
-        seq_len=req.seq_len,
-        precision=req.precision,
-        compile=req.compile,
-        memory_limit_bytes=req.memory_limit_bytes,
-        memory_margin=Margin(
-            fraction=req.margin.fraction,
-            reserve_bytes=req.margin.reserve_bytes,
-            allocator_overhead=req.margin.allocator_overhead,
-            usable_bytes=int(req.usable_memory_bytes),
-        ),
-        units=units,
-    )
-
-
 def uniform_plan(
     model: nn.Module, req: PlanRequest, strategy: Strategy, micro_batch_size: int, grad_accum_steps: int
 ) -> Plan:
+    """A uniform plan document without predictions (no context needed), for tests and benchmarks."""
     units = unit_plans(find_units(model, req.seq_len), strategy, req)
     return make_plan(model, req, units, micro_batch_size, grad_accum_steps)

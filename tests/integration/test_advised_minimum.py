@@ -20,11 +20,8 @@ from osdp_planners.plan import Plan
 from osdp_platform.planning.local import plan_recipe
 from osdp_platform.recipe.loader import load_recipe
 from osdp_platform.recipe.schema import Recipe
-from osdp_platform.runtime.apply import apply_plan
-from osdp_platform.runtime.data import BatchSampler, load_tokens
 from osdp_platform.runtime.memory import measure_step_peak
-from osdp_platform.runtime.models import build_model
-from osdp_platform.runtime.step import build_optimizer, train_step
+from osdp_platform.runtime.state import build_worker_state
 
 pytestmark = pytest.mark.heavy
 
@@ -41,14 +38,10 @@ def _peaks(config: dict[str, Any]) -> None:
     out: dict[str, float] = {}
     for family, (recipe_json, plan_json) in config["runs"].items():
         recipe, plan = Recipe.model_validate(recipe_json), Plan.model_validate(plan_json)
-        sampler = BatchSampler(load_tokens(recipe.data, 0), recipe.data.seq_len, 0)
-        model = build_model(recipe.model)
-        apply_plan(model, plan, "cpu")
-        opt = build_optimizer(model, recipe.train)
-        batches = [sampler.micro_batches(s, 1, plan.micro_batch_size, rank, world) for s in range(2)]
-        train_step(model, opt, batches[0], 1)
+        state = build_worker_state(recipe, plan, torch.device("cpu"))
+        state.step(0, rank, world)
         peak = measure_step_peak(
-            model, opt, lambda b=batches[1], m=model, o=opt: train_step(m, o, b, 1), torch.device("cpu")
+            state.model, state.optimizer, lambda s=state: s.step(1, rank, world), torch.device("cpu")
         )
         gathered = [None] * world
         torch.distributed.all_gather_object(gathered, peak)

@@ -26,18 +26,17 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from helpers import RECIPES
 from osdp_planners import make_plan_for
 from osdp_planners.errors import UserError
-from osdp_planners.memory_model import layout_of
 from osdp_planners.plan import Plan, Strategy
-from osdp_planners.profile import profile_model
+from osdp_planners.profiler import profile_model
+from osdp_planners.step_layout import layout_of
 from osdp_planners.uniform import group_size
 from osdp_planners.units import ROOT, find_units
 from osdp_platform.driver.cli import EXIT_USER_ERROR, main
 from osdp_platform.planning.local import plan_request
 from osdp_platform.recipe.schema import ModelSection, Recipe
-from osdp_platform.runtime.apply import apply_plan
-from osdp_platform.runtime.data import BatchSampler, load_tokens
+from osdp_platform.runtime.data import load_tokens
 from osdp_platform.runtime.models import build_model
-from osdp_platform.runtime.step import build_optimizer, train_step
+from osdp_platform.runtime.state import build_worker_state
 
 pytestmark = pytest.mark.heavy
 
@@ -200,19 +199,17 @@ def _train_cases(config: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     recipe = Recipe.model_validate(config["recipe"])
     rank, world = ray.train.get_context().get_world_rank(), ray.train.get_context().get_world_size()
-    sampler = BatchSampler(load_tokens(recipe.data, recipe.train.seed), SEQ_LEN, recipe.train.seed)
+    tokens = load_tokens(recipe.data, recipe.train.seed)
     results: dict[str, dict[str, Any]] = {}
     for name, (model_json, plan_json) in config["cases"].items():
-        torch.manual_seed(recipe.train.seed)
-        model = build_model(ModelSection.model_validate(model_json))
-        apply_plan(model, Plan.model_validate(plan_json), "cpu")
-        optimizer = build_optimizer(model, recipe.train)
+        case = recipe.model_copy(update={"model": ModelSection.model_validate(model_json)})
+        state = build_worker_state(case, Plan.model_validate(plan_json), torch.device("cpu"), tokens=tokens)
         losses = []
         for step in range(STEPS):
-            mean = train_step(model, optimizer, sampler.micro_batches(step, 1, MICRO_BATCH, rank, world), 1)
+            mean = state.step(step, rank, world)
             dist.all_reduce(mean)
             losses.append(mean.item() / world)
-        params = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        params = get_model_state_dict(state.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         results[name] = {"losses": losses, "params": params}
     dist.barrier()
     if rank == 0:

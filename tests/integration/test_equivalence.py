@@ -33,9 +33,9 @@ from osdp_planners.uniform import group_size, uniform_plan
 from osdp_platform.planning.local import plan_request
 from osdp_platform.recipe.schema import ModelSection, Recipe
 from osdp_platform.runtime.apply import PlanMismatch, apply_plan
-from osdp_platform.runtime.data import BatchSampler, load_tokens
+from osdp_platform.runtime.data import load_tokens
 from osdp_platform.runtime.models import build_model, build_sharded
-from osdp_platform.runtime.step import build_optimizer, train_step
+from osdp_platform.runtime.state import build_worker_state
 
 pytestmark = pytest.mark.heavy
 
@@ -127,19 +127,17 @@ def _train_cases(config: dict[str, Any]) -> None:
     recipes = {name: Recipe.model_validate(r) for name, r in config["recipes"].items()}
     rank, world = ray.train.get_context().get_world_rank(), ray.train.get_context().get_world_size()
     seed = recipes["adamw"].train.seed
-    sampler = BatchSampler(load_tokens(recipes["adamw"].data, seed), SEQ_LEN, seed)
+    tokens = load_tokens(recipes["adamw"].data, seed)
     full_options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     results: dict[str, dict[str, Any]] = {}
     for name, (model_json, plan_json, optimizer_name) in config["cases"].items():
         start = time.perf_counter()
-        torch.manual_seed(seed)
-        model = build_sharded(
-            ModelSection.model_validate(model_json), Plan.model_validate(plan_json), torch.device("cpu")
-        )
-        optimizer = build_optimizer(model, recipes[optimizer_name].train)
+        recipe = recipes[optimizer_name].model_copy(update={"model": ModelSection.model_validate(model_json)})
+        state = build_worker_state(recipe, Plan.model_validate(plan_json), torch.device("cpu"), tokens=tokens)
+        model = state.model
         losses = []
         for step in range(STEPS):
-            mean = train_step(model, optimizer, sampler.micro_batches(step, 1, MICRO_BATCH, rank, world), 1)
+            mean = state.step(step, rank, world)
             dist.all_reduce(mean)
             losses.append(mean.item() / world)
         results[name] = {

@@ -23,7 +23,8 @@ from osdp_platform.planning.local import plan_recipe, plan_request
 from osdp_platform.recipe.schema import ModelSection, Recipe
 from osdp_platform.runtime.data import BatchSampler, load_tokens
 from osdp_platform.runtime.meta_init import init_protocol
-from osdp_platform.runtime.models import build_model, build_sharded
+from osdp_platform.runtime.models import build_model
+from osdp_platform.runtime.state import build_worker_state
 from osdp_platform.runtime.step import build_optimizer, train_step
 
 STEPS = 3
@@ -86,14 +87,11 @@ def _train_cases(config: dict[str, Any]) -> None:
     results: dict[str, dict[str, Any]] = {}
     for name, (recipe_json, plan_json) in config["cases"].items():
         recipe, plan = Recipe.model_validate(recipe_json), Plan.model_validate(plan_json)
-        sampler = BatchSampler(load_tokens(recipe.data, recipe.train.seed), recipe.data.seq_len, recipe.train.seed)
-        torch.manual_seed(recipe.train.seed)
-        model = build_sharded(recipe.model, plan, torch.device("cpu"))
-        initial = {k: v.clone() for k, v in get_model_state_dict(model, options=full).items()}  # DDP's may alias
-        optimizer = build_optimizer(model, recipe.train)
+        state = build_worker_state(recipe, plan, torch.device("cpu"))
+        initial = {k: v.clone() for k, v in get_model_state_dict(state.model, options=full).items()}  # DDP's may alias
         losses = []
         for step in range(STEPS):
-            mean = train_step(model, optimizer, sampler.micro_batches(step, 1, MICRO_BATCH, rank, WORLD), 1)
+            mean = state.step(step, rank, WORLD)
             dist.all_reduce(mean)
             losses.append(float(mean) / WORLD)
         results[name] = {"losses": losses, "initial": initial}

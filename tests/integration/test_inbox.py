@@ -12,7 +12,8 @@ from mlflow.tracking import MlflowClient
 from osdp_platform.driver.pump import MetricsPump
 from osdp_platform.runtime.checkpoint import CheckpointSaved
 from osdp_platform.runtime.inbox import MetricsInbox, MetricsSender, NodeSample, StepReport
-from osdp_platform.tracking.runs import RunTracker, Tag
+from osdp_platform.tracking.keys import Tag
+from osdp_platform.tracking.runs import RunTracker
 
 STEPS = 7
 CHECKPOINT_AFTER = (2, 5)  # steps after which a checkpoint is stored

@@ -3,6 +3,7 @@ recorded without training, writes kept on disk and synced later, and the UI on a
 
 import io
 import itertools
+import json
 import os
 import signal
 import subprocess
@@ -25,8 +26,8 @@ from osdp_platform.driver.submit import submit
 from osdp_platform.planning.local import plan_recipe
 from osdp_platform.recipe.loader import load_recipe
 from osdp_platform.runtime.worker import train_loop
-from osdp_platform.tracking.report import step_time
-from osdp_platform.tracking.runs import PENDING_DIR, RunKind, RunTracker
+from osdp_platform.tracking.keys import RunKind
+from osdp_platform.tracking.runs import PENDING_DIR, RunTracker
 
 pytestmark = pytest.mark.heavy
 
@@ -202,13 +203,17 @@ def test_plan_track_records_a_plan_run_with_its_baselines(
     assert sorted(p.name for p in repo.iterdir()) == before  # nothing written where it ran
 
 
-def test_step_time_breakdown_adds_up_to_the_prediction() -> None:
+def test_the_explanation_the_charts_draw_adds_up_to_the_prediction() -> None:
     result = plan_recipe(load_recipe(RECIPES / "tiny.yaml"))
-    parts = step_time(result)
-    assert set(parts.units) == {u.name for u in result.plan.units}
-    assert all(min(unit) >= 0 for unit in parts.units.values())
-    assert all(sum(unit[i] for unit in parts.units.values()) > 0 for i in range(3))  # compute, comm, optimizer
-    assert parts.total_s == pytest.approx(result.plan.predicted.step_time_s, rel=1e-9)
+    parts, plan = result.explanation, result.plan
+    assert set(parts.units) == {u.name for u in plan.units}
+    seconds = [(u.compute_s, u.communication_s, u.optimizer_s) for u in parts.units.values()]
+    assert all(min(unit) >= 0 for unit in seconds)
+    assert all(sum(unit[i] for unit in seconds) > 0 for i in range(3))  # compute, comm, optimizer
+    assert parts.step_time_s == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
+    assert [parts.units[u.name].total_s for u in plan.units] == [u.predicted_time_s for u in plan.units]
+    assert int(parts.peak_bytes) == plan.predicted.peak_memory_bytes
+    assert {"profile", "measured_compute", "measured_comm", "device"} <= set(json.loads(parts.computed_from))
 
 
 def test_ui_serves_the_local_store(tmp_path: Path) -> None:

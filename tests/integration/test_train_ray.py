@@ -21,9 +21,9 @@ from osdp_platform.driver.submit import submit
 from osdp_platform.planning.local import plan_recipe
 from osdp_platform.recipe.loader import load_recipe
 from osdp_platform.recipe.schema import Recipe
-from osdp_platform.runtime.apply import apply_plan
 from osdp_platform.runtime.data import BatchSampler, load_tokens
 from osdp_platform.runtime.models import build_model
+from osdp_platform.runtime.state import WorkerState, build_worker_state
 from osdp_platform.runtime.step import build_optimizer, train_step
 from osdp_platform.runtime.worker import timed_step, train_loop
 from osdp_platform.runtime.worker_env import WORKER_ENV_DEFAULTS
@@ -41,25 +41,20 @@ def _losses_per_planner(config: dict[str, Any]) -> None:
     recipe = Recipe.model_validate(config["recipe"])
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    sampler = BatchSampler(load_tokens(recipe.data, 0), recipe.data.seq_len, 0)
+    tokens = load_tokens(recipe.data, recipe.train.seed)
     out: dict[str, tuple[list[float], list[int]]] = {}
     for name, plan_json in config["plans"].items():
-        plan = Plan.model_validate(plan_json)
-        torch.manual_seed(recipe.train.seed)
-        model = build_model(recipe.model)
-        apply_plan(model, plan, "cpu")
-        opt = build_optimizer(model, recipe.train)
+        state = build_worker_state(recipe, Plan.model_validate(plan_json), torch.device("cpu"), tokens=tokens)
         losses, peaks = [], []
         for step in range(STEPS):
-            batches = sampler.micro_batches(step, plan.grad_accum_steps, plan.micro_batch_size, rank, world)
             mean = torch.zeros(())
 
-            def one_step(
-                batches: Any = batches, plan: Plan = plan, model: Any = model, opt: Any = opt, mean: Any = mean
-            ) -> None:
-                mean.copy_(train_step(model, opt, batches, plan.grad_accum_steps))
+            def one_step(state: WorkerState = state, step: int = step, mean: torch.Tensor = mean) -> None:
+                mean.copy_(state.step(step, rank, world))
 
-            _times, rank_peaks, _peak = timed_step(model, opt, one_step, torch.device("cpu"), world, probe=True)
+            _times, rank_peaks, _peak = timed_step(
+                state.model, state.optimizer, one_step, torch.device("cpu"), world, probe=True
+            )
             torch.distributed.all_reduce(mean)
             losses.append(float(mean) / world)
             peaks.append(int(max(rank_peaks)))

@@ -8,6 +8,7 @@ from helpers import builder, zoo_request
 from osdp_planners import make_plan_for
 from osdp_planners.hardware import GIB, get_preset
 from osdp_planners.margin import MemoryMargin
+from osdp_planners.plan import Plan
 
 
 def test_the_reserved_peak_of_a_plan_filling_the_usable_memory_meets_the_budget() -> None:
@@ -27,7 +28,11 @@ def test_a_gpu_plan_records_its_reserved_peak_within_the_budget() -> None:
     """A plan for a GPU pool (times from the preset) states allocated and reserved peaks; the reserved
     one, with the fixed reserve, fits the budget less its fraction; on CPU the two are equal."""
     req = zoo_request("llama", 4, precision="bf16-mixed", limit=GIB // 8)
-    gpu = dataclasses.replace(req, device=get_preset("h100-80gb"), margin=MemoryMargin(0.05, GIB // 64, 0.25))
+    gpu = dataclasses.replace(
+        req,
+        device=get_preset("h100-80gb"),
+        margin=MemoryMargin(fraction=0.05, reserve_bytes=GIB // 64, allocator_overhead=0.25),
+    )
     plan = make_plan_for(builder("llama", 2), gpu, measure_on=None).plan
     allocated, reserved = plan.predicted.peak_memory_bytes, plan.predicted.reserved_memory_bytes
     assert allocated is not None and reserved is not None
@@ -36,3 +41,15 @@ def test_a_gpu_plan_records_its_reserved_peak_within_the_budget() -> None:
     assert plan.memory_margin is not None and plan.memory_margin.allocator_overhead == 0.25
     on_cpu = make_plan_for(builder("llama", 2), req, measure_on=None).plan.predicted
     assert on_cpu.reserved_memory_bytes == on_cpu.peak_memory_bytes
+
+
+def test_a_plan_records_the_margin_it_was_planned_under_and_reads_older_plans() -> None:
+    """One margin class: the request's margin is the plan's record, and the usable bytes older plans also
+    recorded (derived from the budget) are read and dropped, not refused."""
+    margin = MemoryMargin(fraction=0.05, reserve_bytes=GIB // 64, allocator_overhead=0.25)
+    req = dataclasses.replace(zoo_request("llama", 4, limit=GIB // 8), margin=margin)
+    plan = make_plan_for(builder("llama", 2), req, measure_on=None).plan
+    assert plan.memory_margin == margin
+    older = plan.model_dump(mode="json")
+    older["memory_margin"]["usable_bytes"] = int(margin.usable(GIB // 8))
+    assert Plan.model_validate(older) == plan

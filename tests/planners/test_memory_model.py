@@ -15,7 +15,7 @@ from osdp_planners.hardware import get_preset
 from osdp_planners.memory_model import simulate
 from osdp_planners.options import Option
 from osdp_planners.plan import Plan, Strategy
-from osdp_planners.profile import profile_model
+from osdp_planners.profiler import profile_model
 from osdp_planners.request import PlanRequest
 from osdp_planners.uniform import uniform_plan
 from osdp_platform.runtime.fake_rank import measure_fake_rank

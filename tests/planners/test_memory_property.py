@@ -16,13 +16,14 @@ import pytest
 import torch
 from torch import nn
 
+from osdp_planners.assemble import make_plan
 from osdp_planners.hardware import get_preset
 from osdp_planners.memory_model import simulate
 from osdp_planners.options import SPLITS, Option, strategy_choices
 from osdp_planners.plan import Plan, UnitPlan
-from osdp_planners.profile import ModelProfile, profile_model
+from osdp_planners.profile import ModelProfile
+from osdp_planners.profiler import profile_model
 from osdp_planners.request import PlanRequest
-from osdp_planners.uniform import make_plan
 from osdp_planners.units import find_units
 from osdp_platform.runtime.fake_rank import measure_fake_rank
 from osdp_platform.zoo import build_zoo_model

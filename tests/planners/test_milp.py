@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from helpers import zoo_request
-from osdp_planners import batch_search, build_context, osdp
+from osdp_planners import advice, batch_search, build_context, osdp, space
 from osdp_planners.dominance import undominated
-from osdp_planners.evaluate import Context, evaluate, unit_seconds
+from osdp_planners.evaluate import Bound, Context, evaluate, unit_seconds
 from osdp_planners.hardware import GIB
 from osdp_planners.milp import least_peak
 from osdp_planners.options import Option
@@ -83,13 +83,13 @@ class BruteForce:
 
 
 def sampled_options(ctx: Context, case: Case) -> dict[str, list[Option]]:
-    full = osdp.unit_option_lists(ctx, zoo_request(case.family, case.workers, seq_len=case.seq_len, micro_batch=BATCH))
+    full = space.unit_option_lists(ctx, zoo_request(case.family, case.workers, seq_len=case.seq_len, micro_batch=BATCH))
     rng = random.Random(case.seed)
     return {u: rng.sample(opts, min(case.per_unit, len(opts))) for u, opts in full.items()}
 
 
 def searched(ctx: Context, mode: str, options: dict[str, list[Option]], limit: float) -> dict[str, Option] | None:
-    limited = dataclasses.replace(ctx, memory_limit=limit)
+    limited = dataclasses.replace(ctx, usable_memory_bytes=limit)
     found = osdp.search_batch(limited, mode, list(options), options, BATCH, 1)
     return None if found is None else {u: options[u][i] for u, i in zip(options, found, strict=True)}
 
@@ -118,9 +118,9 @@ def test_milp_is_the_brute_force_optimum_of_the_simulated_objective(case: Case) 
         assert auto is not None
         assert evaluate(ctx, auto, BATCH, 1).step_time_s == pytest.approx(expected, rel=1e-6)
     # the smallest footprint of the exact program is the least simulated peak of all plans
-    bound = osdp.Bound(ctx, BATCH, 1)
+    bound = Bound(ctx, BATCH, 1)
     bound.add_neighbour_buffers(options)
-    costs = osdp.unit_costs(ctx, bound, list(options), options, BATCH, 1)
+    costs = batch_search.unit_costs(ctx, bound, list(options), options, BATCH, 1)
     least = least_peak(bound, list(options), options, costs)
     assert least is not None
     plan = {u: options[u][i] for u, i in zip(options, least, strict=True)}
@@ -134,8 +134,8 @@ def test_exact_mode_gains_over_the_knapsack_on_the_tiny_recipe() -> None:
     at 1.2x the least memory any plan needs: the knapsack's bound rejects what the simulation fits."""
     ctx = context("llama", 2, 2, 64)
     req = zoo_request("llama", 2, seq_len=64, micro_batch=BATCH)
-    options = osdp.unit_option_lists(ctx, req)
-    least = osdp.smallest_footprint(ctx, req).evaluation.peak_bytes
+    options = space.unit_option_lists(ctx, req)
+    least = advice.smallest_footprint(ctx, req).evaluation.peak_bytes
     assert searched(ctx, "knapsack", options, 1.05 * least) is None  # only the exact search finds a plan here
     assert searched(ctx, "milp", options, 1.05 * least) is not None
     limit = 1.2 * least
@@ -158,7 +158,7 @@ def test_ties_resolve_to_the_fastest_runtime(mode: str) -> None:
         assert unit_seconds(ctx, u, Option(Strategy.DDP, 1), BATCH, 1) == unit_seconds(
             ctx, u, Option(Strategy.HSDP, 1), BATCH, 1
         )
-    options = osdp.unit_option_lists(ctx, req)
+    options = space.unit_option_lists(ctx, req)
     chosen = searched(ctx, mode, options, 8 * GIB)
     assert chosen == {u: Option(Strategy.DDP, 1) for u in units}
     choice = osdp.search_osdp(ctx, req)
@@ -194,7 +194,8 @@ def test_certified_search_is_within_its_gap_and_its_bound_holds(case: Case, monk
     every = BruteForce(ctx, options)
     for limit in every.budgets():
         expected = every.fastest_fitting(limit)
-        inst = batch_search.Instance(dataclasses.replace(ctx, memory_limit=limit), list(options), options, BATCH, 1)
+        limited = dataclasses.replace(ctx, usable_memory_bytes=limit)
+        inst = batch_search.Instance(limited, list(options), options, BATCH, 1)
         found = batch_search.search(inst, "auto")
         if expected is None:
             assert found.choice is None
@@ -219,7 +220,8 @@ def test_relax_and_fix_plans_fit_and_never_beat_the_optimum(case: Case) -> None:
     found_any = 0
     for limit in every.budgets():
         expected = every.fastest_fitting(limit)
-        inst = batch_search.Instance(dataclasses.replace(ctx, memory_limit=limit), list(options), options, BATCH, 1)
+        limited = dataclasses.replace(ctx, usable_memory_bytes=limit)
+        inst = batch_search.Instance(limited, list(options), options, BATCH, 1)
         found = inst.fixed(batch_search.AUTO_TIME_LIMIT_S)
         if expected is None:
             assert found.choice is None, (case, limit)
@@ -241,12 +243,13 @@ def test_default_search_is_within_its_gap_of_the_exact_one(monkeypatch: pytest.M
     monkeypatch.setattr(batch_search, "AUTO_MILP_BINARIES", 0)
     ctx = context("llama", 8, 4, 64)
     req = zoo_request("llama", 4, seq_len=64, global_batch=64)
-    tight = dataclasses.replace(ctx, memory_limit=1.3 * osdp.smallest_footprint(ctx, req).evaluation.peak_bytes)
+    least = advice.smallest_footprint(ctx, req).evaluation.peak_bytes
+    tight = dataclasses.replace(ctx, usable_memory_bytes=1.3 * least)
     found = {}
     for mode in ("auto", "milp"):
         choice = osdp.search_osdp(tight, dataclasses.replace(req, search=mode, prefer_simpler=False))
         assert choice is not None and choice.report is not None
-        assert choice.evaluation.peak_bytes <= tight.memory_limit
+        assert choice.evaluation.peak_bytes <= tight.usable_memory_bytes
         found[mode] = choice.report
     exact = found["milp"].best.throughput_samples_per_s
     auto = found["auto"].best.throughput_samples_per_s

@@ -11,19 +11,23 @@ import itertools
 import math
 import random
 import re
+from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from helpers import builder, context, zoo_request
-from osdp_planners import make_plan_for, osdp
+from osdp_planners import advice, make_plan_for, osdp, uniform
+from osdp_planners.choice import Choice
 from osdp_planners.errors import NoPlanFits, UserError
-from osdp_planners.evaluate import Context
+from osdp_planners.evaluate import Context, Evaluation
 from osdp_planners.hardware import GIB
 from osdp_planners.memory_model import simulate
 from osdp_planners.options import Option, unit_options
 from osdp_planners.plan import Strategy
+from osdp_planners.request import PlanRequest
 from osdp_planners.search import BUCKETS, Candidate, bound, quantum_for, solve
 
 pytestmark = pytest.mark.heavy
@@ -303,7 +307,7 @@ def smallest_need(ctx: Context, workers: int) -> float:
 def test_smallest_footprint_is_no_larger_than_uniform_or_random_plans(family: str) -> None:
     ctx = context(family)
     options = unit_option_lists(ctx, 4)
-    low = osdp.smallest_footprint(ctx, zoo_request(family)).evaluation.peak_bytes
+    low = advice.smallest_footprint(ctx, zoo_request(family)).evaluation.peak_bytes
     assert low <= smallest_need(ctx, 4)
     rng = random.Random(5)
     for _ in range(200):
@@ -325,7 +329,7 @@ def test_infeasible_limit_names_the_smallest_footprint_and_the_threshold_holds(
     family: str, vocab: int | None, dim: int | None
 ) -> None:
     ctx = context(family, vocab_size=vocab, dim=dim)
-    need = osdp.smallest_footprint(ctx, zoo_request(family)).evaluation.peak_bytes
+    need = advice.smallest_footprint(ctx, zoo_request(family)).evaluation.peak_bytes
     assert need <= smallest_need(ctx, 4)  # never more than the plainest smallest plans need
     build = builder(family, 2, vocab, dim)
     with pytest.raises(UserError) as err:
@@ -347,7 +351,7 @@ def test_infeasible_limit_names_the_smallest_footprint_and_the_threshold_holds(
 )
 def test_planned_peak_fits_the_limit(family: str, factor: float, global_batch: int | None) -> None:
     ctx = context(family)
-    need = osdp.smallest_footprint(ctx, zoo_request(family)).evaluation.peak_bytes
+    need = advice.smallest_footprint(ctx, zoo_request(family)).evaluation.peak_bytes
     limit = int(factor * need)
     result = make_plan_for(builder(family, 2), zoo_request(family, limit=limit, global_batch=global_batch))
     plan = result.plan
@@ -364,17 +368,17 @@ def test_planned_peak_fits_the_limit(family: str, factor: float, global_batch: i
         assert plan.global_batch_size == global_batch
 
 
-def choice(throughput: float, *kinds: Option) -> osdp.Choice:
+def choice(throughput: float, *kinds: Option) -> Choice:
     """A plan of one unit per option with a given predicted throughput (what prefer_simpler reads)."""
-    ev = osdp.Evaluation(
+    ev = Evaluation(
         peak_bytes=0.0,
         step_time_s=1 / throughput,
         throughput=throughput,
-        unit_time_s={},
+        unit_seconds={},
         unit_resident={},
         timeline=None,
     )  # type: ignore[arg-type]  # unused by the choice
-    return osdp.Choice({f"u{i}": o for i, o in enumerate(kinds)}, 1, 1, ev)
+    return Choice({f"u{i}": o for i, o in enumerate(kinds)}, 1, 1, ev)
 
 
 def test_a_harder_plan_must_be_predicted_clearly_faster() -> None:
@@ -392,7 +396,7 @@ def test_a_harder_plan_must_be_predicted_clearly_faster() -> None:
 @pytest.mark.parametrize("factor", [1.3, 2.0, 40.0])
 def test_osdp_never_trails_a_fitting_uniform_plan_by_more_than_the_resolution(factor: float) -> None:
     ctx = context("llama")
-    need = osdp.smallest_footprint(ctx, zoo_request("llama")).evaluation.peak_bytes
+    need = advice.smallest_footprint(ctx, zoo_request("llama")).evaluation.peak_bytes
     plan = make_plan_for(builder("llama", 2), zoo_request("llama", limit=int(factor * need))).plan
     got = plan.predicted.throughput_samples_per_s
     assert got is not None
@@ -425,7 +429,7 @@ def test_a_uniform_planners_advised_minimum_plans_under_that_planner(planner: st
 @pytest.mark.parametrize("factor", [1.3, 40.0])
 def test_every_plan_records_the_fastest_found_and_what_the_near_tie_rule_cost(factor: float) -> None:
     ctx = context("llama")
-    need = osdp.smallest_footprint(ctx, zoo_request("llama")).evaluation.peak_bytes
+    need = advice.smallest_footprint(ctx, zoo_request("llama")).evaluation.peak_bytes
     req = zoo_request("llama", limit=int(factor * need))
     simple = make_plan_for(builder("llama", 2), req).plan
     fastest = make_plan_for(builder("llama", 2), dataclasses.replace(req, prefer_simpler=False)).plan
@@ -440,3 +444,27 @@ def test_every_plan_records_the_fastest_found_and_what_the_near_tie_rule_cost(fa
     assert simple.search.simplicity_cost == pytest.approx(1 - got / best, abs=1e-12)
     assert got * (1 + osdp.NEAR_TIE) >= best
     assert ("prefer_simpler" in simple.search.chosen_by) == (got < best)
+
+
+@pytest.mark.parametrize("planner", ["osdp", "zero3", "manual"])
+def test_each_uniform_baseline_is_found_once_per_plan(
+    planner: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The search weighs the uniform plans, the plan records them and a uniform planner returns one: one
+    search per strategy serves all three."""
+    calls: Counter[Strategy] = Counter()
+    found = uniform.best_uniform
+
+    def counted(ctx: Context, req: PlanRequest, strategy: Strategy) -> Choice | None:
+        calls[strategy] += 1
+        return found(ctx, req, strategy)
+
+    req = dataclasses.replace(zoo_request("llama"), planner=planner)
+    if planner == "manual":
+        path = tmp_path / "plan.json"
+        path.write_text(make_plan_for(builder("llama", 2), zoo_request("llama")).plan.to_json())
+        req = dataclasses.replace(req, plan_file=str(path))
+    monkeypatch.setattr(uniform, "best_uniform", counted)
+    plan = make_plan_for(builder("llama", 2), req).plan
+    assert calls == {s: 1 for s in Strategy}
+    assert set(plan.baselines) == {s.value for s in Strategy}

@@ -5,6 +5,7 @@ start-up on a small node)."""
 import subprocess
 import sys
 
+COST_MODEL = ("osdp_planners.evaluate", "osdp_planners.time_model", "osdp_planners.memory_model")
 FORBIDDEN = ("mlflow", "ray.job_submission", "osdp_platform.driver", "osdp_platform.tracking")
 
 
@@ -13,5 +14,12 @@ def test_the_worker_loop_loads_no_driver_or_tracking_module() -> None:
         "import sys, osdp_platform.runtime.worker\n"
         f"print(sorted(m for m in sys.modules if m.split('.')[0] == 'mlflow' or m.startswith({FORBIDDEN!r})))\n"
     )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_the_report_draws_the_explanation_without_the_cost_model() -> None:
+    """One contract out of the planner: the platform's charts read the plan and its explanation only."""
+    code = f"import sys, osdp_platform.tracking.report\nprint(sorted(m for m in sys.modules if m in {COST_MODEL!r}))\n"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
     assert done.stdout.strip() == "[]", done.stdout

@@ -136,8 +136,9 @@ def _ui(uri: str, host: str, port: int, console: Console) -> int:
 def _plan(args: argparse.Namespace, console: Console) -> int:
     from osdp_platform.planning.local import plan_recipe
     from osdp_platform.recipe.preflight import Where, preflight
+    from osdp_platform.tracking.keys import RunKind
     from osdp_platform.tracking.report import log_report, print_report
-    from osdp_platform.tracking.runs import RunKind, RunTracker, check_reachable
+    from osdp_platform.tracking.runs import RunTracker, check_reachable
 
     recipe = load_recipe(args.recipe, args.overrides)
     preflight(recipe, Where.NOWHERE)

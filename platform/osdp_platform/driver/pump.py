@@ -12,7 +12,8 @@ import ray
 
 from osdp_platform.runtime.checkpoint import CheckpointSaved
 from osdp_platform.runtime.inbox import NodeSample, WorkersStarted
-from osdp_platform.tracking.runs import RunTracker, system_metric
+from osdp_platform.tracking.keys import system_metric
+from osdp_platform.tracking.runs import RunTracker
 
 POLL_S = 0.5
 FLUSH_EVERY_S = 5.0

@@ -12,7 +12,7 @@ import pyarrow.fs
 from osdp_planners.errors import UserError
 from osdp_planners.plan import Plan
 from osdp_platform.recipe.schema import Recipe
-from osdp_platform.tracking.runs import recorded_checkpoint
+from osdp_platform.tracking.records import recorded_checkpoint
 
 
 @dataclass(frozen=True)

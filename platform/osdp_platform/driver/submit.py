@@ -20,7 +20,7 @@ from osdp_platform.driver.cluster import beside_the_driver, check_cluster, conne
 from osdp_platform.driver.pump import MetricsPump
 from osdp_platform.driver.resume import check_resumable, find_resume_point
 from osdp_platform.driver.system_metrics import NodeSamplers
-from osdp_platform.planning.sample_worker import plan_on_sample_worker, profile_json
+from osdp_platform.planning.sample_worker import plan_on_sample_worker
 from osdp_platform.recipe.schema import Recipe
 from osdp_platform.runtime.inbox import MetricsInbox
 from osdp_platform.runtime.models import build_model
@@ -188,7 +188,7 @@ def submit(
         planned = plan_on_sample_worker(recipe)
     plan = planned.plan
     tracker = RunTracker.start(recipe, RunKind.TRAIN, plan, tags, warn=warn_on(console))
-    tracker.log_text(profile_json(planned), "profile.json")
+    tracker.log_text(planned.explanation.computed_from, "profile.json")
     summary = RunSummary(tracker.run_id, plan, first_step=point.step if point else 0)
     if point is not None:
         tracker.record_resume(point.run_id, point.path, point.step)

@@ -23,7 +23,8 @@ from osdp_platform.recipe.loader import load_recipe
 from osdp_platform.recipe.preflight import preflight, where_it_runs
 from osdp_platform.recipe.schema import Recipe
 from osdp_platform.tracking.compare import Format, Row, compare
-from osdp_platform.tracking.runs import RunKind, RunTracker, Tag, check_reachable
+from osdp_platform.tracking.keys import RunKind, Tag
+from osdp_platform.tracking.runs import RunTracker, check_reachable
 
 
 def expand(overrides: list[str]) -> list[list[str]]:

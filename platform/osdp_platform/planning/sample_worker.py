@@ -1,9 +1,7 @@
 """Plan on a sample worker: the planner actor, placed like one training worker, runs `local.plan_recipe` there."""
 
-import json
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import fields, is_dataclass
 from typing import Any
 
 import ray
@@ -29,33 +27,6 @@ class PlannerActor:
     def plan(self, recipe_json: dict[str, Any]) -> PlanResult:
         torch.set_num_threads(1)
         return plan_recipe(Recipe.model_validate(recipe_json))
-
-
-def _jsonable(obj: Any) -> Any:
-    """Dataclasses as dicts, like dataclasses.asdict, but a key that is not a string (a profile's
-    Variant) is written as its repr, since JSON keys are strings."""
-    if is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: _jsonable(getattr(obj, f.name)) for f in fields(obj)}
-    if isinstance(obj, dict):
-        return {k if isinstance(k, str) else repr(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_jsonable(v) for v in obj]
-    return obj
-
-
-def profile_json(result: PlanResult) -> str:
-    """What the plan was computed from (profile, measured times, collectives), for the run's artifacts."""
-    ctx = result.context
-    return json.dumps(
-        {
-            "profile": _jsonable(ctx.profile),
-            "measured_compute": _jsonable(ctx.measured),
-            "measured_comm": _jsonable(ctx.topo.measured),
-            "device": _jsonable(ctx.topo.device),
-        },
-        indent=1,
-        default=str,
-    )
 
 
 def _wait_until_placed(actor: Any, recipe: Recipe) -> None:

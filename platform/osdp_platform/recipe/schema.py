@@ -6,9 +6,9 @@ from typing import Literal
 
 from pydantic import Field, PositiveInt, field_validator, model_validator
 
-from osdp_planners.batch_search import RENAMED, search_mode
 from osdp_planners.hardware import PRESETS
 from osdp_planners.margin import MemoryMargin
+from osdp_planners.request import RENAMED, search_mode
 from osdp_platform.recipe.inputs import DataSection, FieldProblem, HardwareSection, ModelSection, Section
 
 

@@ -6,8 +6,9 @@ report Ray Train handles every step would slow them. A CPU worker is pinned to a
 """
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -21,11 +22,9 @@ from osdp_planners.mfu import mfu, model_shape
 from osdp_planners.plan import Plan
 from osdp_platform.recipe.schema import Recipe
 from osdp_platform.runtime.checkpoint import CheckpointSaved, restore, save_and_report, should_save
-from osdp_platform.runtime.data import BatchSampler, load_tokens
 from osdp_platform.runtime.inbox import MetricsSender, StepReport, WorkersStarted
 from osdp_platform.runtime.memory import measure_step_peak, reserved_peak
-from osdp_platform.runtime.models import build_sharded
-from osdp_platform.runtime.step import Batch, build_optimizer, train_step
+from osdp_platform.runtime.state import build_worker_state
 
 MAX_RANKS_LOGGED = 16  # per-rank metrics beyond this would flood the tracking store
 
@@ -132,12 +131,10 @@ def train_loop(config: dict[str, Any], before_step: Callable[[int], None] | None
     if device.type == "cpu":
         pin_to_core(ctx.get_local_rank(), ctx.get_local_world_size())
 
-    torch.manual_seed(recipe.train.seed)
-    model = build_sharded(recipe.model, plan, device)
-    optimizer = build_optimizer(model, recipe.train)
     saved = ray.get(cfg.inbox.latest_checkpoint.remote()) if cfg.inbox is not None else None
-    first = restore(model, optimizer, saved.path if saved else None, cfg.resume_from)
-    sampler = BatchSampler(load_tokens(recipe.data, recipe.train.seed), plan.seq_len, recipe.train.seed)
+    own = saved.path if saved else None
+    state = build_worker_state(recipe, plan, device, partial(restore, own=own, resume_from=cfg.resume_from))
+    model, optimizer, first = state.model, state.optimizer, state.first_step
     sender = MetricsSender(cfg.inbox) if rank == 0 and cfg.inbox is not None else None
     if sender is not None:
         sender.send(WorkersStarted(first, world))
@@ -149,12 +146,11 @@ def train_loop(config: dict[str, Any], before_step: Callable[[int], None] | None
     for step in range(first, recipe.train.steps):
         if before_step is not None:
             before_step(step)
-        batches = sampler.micro_batches(step, plan.grad_accum_steps, plan.micro_batch_size, rank, world, device)
         loss = 0.0
 
-        def one_step(batches: Iterable[Batch] = batches) -> None:
+        def one_step(step: int = step) -> None:
             nonlocal loss
-            loss = float(train_step(model, optimizer, batches, plan.grad_accum_steps))
+            loss = float(state.step(step, rank, world))
 
         times, peaks, peak = timed_step(model, optimizer, one_step, device, world, step in probes)
         reserved = reserved_peak(device) if peak is not None else None

@@ -3,7 +3,7 @@
 The questions it answers: how much faster is a plan than what I use today, and can I trust the
 planner's numbers. So a row holds the predicted and measured throughput and peak memory, the
 fidelity errors (measured / predicted - 1), and the predicted speedup over the best uniform plan
-that fits. Every number is read back from MLflow (tracking/runs.py), so the table is what MLflow holds.
+that fits. Every number is read back from MLflow (tracking/records.py), so the table is what MLflow holds.
 """
 
 import json
@@ -20,7 +20,9 @@ from rich.console import Console
 from rich.table import Table
 
 from osdp_planners.errors import UserError
-from osdp_platform.tracking.runs import Metric, RunRecord, RunTracker, Tag, run_records
+from osdp_platform.tracking.keys import Metric, Tag
+from osdp_platform.tracking.records import RunRecord, run_records
+from osdp_platform.tracking.runs import RunTracker
 
 Format = Literal["table", "json", "markdown"]
 MIB = 1024**2

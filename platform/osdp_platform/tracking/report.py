@@ -6,7 +6,6 @@ communication and the optimizer beside the measured step. `plan --png` draws the
 """
 
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
@@ -17,11 +16,8 @@ from matplotlib.axes import Axes
 from rich.console import Console
 from rich.table import Table
 
-from osdp_planners import PlanResult
-from osdp_planners.evaluate import evaluate
-from osdp_planners.options import Option
+from osdp_planners.explanation import PlanResult
 from osdp_planners.plan import Plan, UnitPlan
-from osdp_planners.time_model import optimizer_seconds, unit_time
 from osdp_platform.tracking.runs import RunTracker
 
 MIB = 1024**2
@@ -80,9 +76,9 @@ def comparison(result: PlanResult) -> str:
     margin = plan.memory_margin
     allocator = f" and the allocator's {margin.allocator_overhead:.0%}" if margin and margin.allocator_overhead else ""
     usable = (
-        f" ({_fmt_bytes(margin.usable_bytes)} usable after a {margin.fraction:.0%} + "
+        f" ({_fmt_bytes(margin.usable(plan.memory_limit_bytes))} usable after a {margin.fraction:.0%} + "
         f"{_fmt_bytes(margin.reserve_bytes)} margin{allocator})"
-        if margin
+        if margin and plan.memory_limit_bytes
         else ""
     )
     reserved = (
@@ -128,10 +124,8 @@ def search_summary(plan: Plan) -> str | None:
 
 
 def _draw_memory(ax: Axes, result: PlanResult, measured_peaks: list[float]) -> None:
-    plan, ctx = result.plan, result.context
-    options = {u.name: Option.of(u) for u in plan.units}
-    timeline = evaluate(ctx, options, plan.micro_batch_size, plan.grad_accum_steps).timeline
-    values = [v / MIB for _, v in timeline.events]
+    plan = result.plan
+    values = [v / MIB for _, v in result.explanation.timeline]
     ax.plot(values, marker=".", linewidth=1, label=f"predicted (peak {max(values):.1f} MiB)")
     for rank, peak in enumerate(measured_peaks):
         ax.axhline(
@@ -198,45 +192,20 @@ def strategy_chart(plan: Plan, path: Path) -> Path:
     return _save(fig, path)
 
 
-@dataclass(frozen=True)
-class StepTime:
-    """The predicted step, part by part: per unit (compute, exposed communication, optimizer), and
-    what FSDP2 costs once per micro batch whatever the plan."""
-
-    units: dict[str, tuple[float, float, float]]
-    fixed_s: float
-
-    @property
-    def total_s(self) -> float:
-        return sum(sum(parts) for parts in self.units.values()) + self.fixed_s
-
-
-def step_time(result: PlanResult) -> StepTime:
-    """Communication is exposed where it is not hidden behind compute (all of it on CPU, where gloo blocks)."""
-    plan, ctx = result.plan, result.context
-    accum = plan.grad_accum_steps
-    units = {}
-    for u in plan.units:
-        opt = Option.of(u)
-        t = unit_time(
-            ctx.profile, u.name, opt, plan.micro_batch_size, ctx.topo, ctx.measured, ctx.compute_bytes, ctx.overlap
-        )
-        units[u.name] = (
-            accum * t.compute_s,
-            accum * (t.total_s - t.compute_s),
-            optimizer_seconds(ctx.profile, {u.name: opt}, ctx.topo, ctx.measured),
-        )
-    return StepTime(units, accum * ctx.topo.step_fixed_s)
-
-
 def step_time_chart(result: PlanResult, path: Path, measured_step_s: float | None) -> Path:
-    parts = step_time(result)
+    parts = result.explanation
     names = list(parts.units)
+    units = list(parts.units.values())
+    columns = {
+        "compute": [u.compute_s for u in units],
+        "exposed communication": [u.communication_s for u in units],
+        "optimizer": [u.optimizer_s for u in units],
+    }
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [4, 1]})
     bottom = [0.0] * len(names)
     totals = [0.0, 0.0, 0.0]
-    for i, label in enumerate(("compute", "exposed communication", "optimizer")):
-        values = [parts.units[n][i] * 1e3 for n in names]
+    for i, (label, seconds) in enumerate(columns.items()):
+        values = [s * 1e3 for s in seconds]
         ax.bar(range(len(names)), values, bottom=bottom, label=label, color=plt.cm.tab10(i))
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
         totals[i] = sum(values)

@@ -28,8 +28,9 @@ def test_llama_7b_zero3_plan_without_gpu_or_ray(tmp_path: Path) -> None:
     margin = plan.memory_margin  # a GPU pool's default: 5% of the budget and 1 GiB stay unplanned,
     assert margin is not None and (margin.fraction, margin.reserve_bytes) == (0.05, 1 << 30)
     assert margin.allocator_overhead == 0.25  # and the reserved peak is the allocated one x 1.25
-    assert margin.usable_bytes == int((plan.memory_limit_bytes * 0.95 - (1 << 30)) / 1.25)
-    assert plan.predicted.peak_memory_bytes <= margin.usable_bytes
+    usable = margin.usable(plan.memory_limit_bytes)
+    assert usable == pytest.approx((plan.memory_limit_bytes * 0.95 - (1 << 30)) / 1.25)
+    assert plan.predicted.peak_memory_bytes <= usable
     assert plan.predicted.reserved_memory_bytes == int(plan.predicted.peak_memory_bytes * 1.25)
     assert "usable after a 5%" in result.stdout and "the allocator's 25%" in result.stdout
     assert plan.baselines["ddp"].fits is False  # 7B with AdamW replicated needs > 80 GB

@@ -10,10 +10,10 @@ from osdp_planners.loss import lm_loss, logits_of
 from osdp_platform.planning.local import plan_recipe
 from osdp_platform.recipe.loader import load_recipe
 from osdp_platform.recipe.schema import Recipe
-from osdp_platform.runtime.data import BatchSampler, load_tokens
 from osdp_platform.runtime.memory import measure_step_peak
-from osdp_platform.runtime.models import build_model, build_sharded
-from osdp_platform.runtime.step import build_optimizer, train_step
+from osdp_platform.runtime.models import build_model
+from osdp_platform.runtime.state import build_worker_state
+from osdp_platform.runtime.step import build_optimizer
 
 STEPS = 3
 
@@ -37,22 +37,19 @@ def _linear_dtypes(model: nn.Module, x: torch.Tensor) -> set[torch.dtype]:
 def test_one_worker_trains_the_plain_model_under_autocast_as_a_hand_written_loop() -> None:
     recipe = _recipe("bf16-mixed")
     plan = plan_recipe(recipe).plan
-    assert plan.world_size == 1
-    torch.manual_seed(0)
-    model = build_sharded(recipe.model, plan, torch.device("cpu"))
+    assert plan.world_size == 1 and plan.grad_accum_steps == 1
+    state = build_worker_state(recipe, plan, torch.device("cpu"))
+    model, opt = state.model, state.optimizer
     assert not any(isinstance(m, FSDPModule) for m in model.modules())
-    sampler = BatchSampler(load_tokens(recipe.data, 0), plan.seq_len, 0)
-    x = next(iter(sampler.micro_batches(0, 1, plan.micro_batch_size, 0, 1)))[0]
+    x = next(state.batches(0, 0, 1))[0]
     assert _linear_dtypes(model, x) == {torch.bfloat16}
 
-    torch.manual_seed(0)
+    torch.manual_seed(recipe.train.seed)
     reference = build_model(recipe.model)  # what a user writes: the plain module, autocast, the same optimizer
     ref_opt = build_optimizer(reference, recipe.train)
-    opt = build_optimizer(model, recipe.train)
     for step in range(STEPS):
-        batches = list(sampler.micro_batches(step, 1, plan.micro_batch_size, 0, 1))
-        loss = float(train_step(model, opt, batches, 1))
-        (bx, by) = batches[0]
+        loss = float(state.step(step, 0, 1))
+        (bx, by) = next(state.batches(step, 0, 1))
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = logits_of(reference(bx))
         ref_loss = lm_loss(out, by)
@@ -61,8 +58,7 @@ def test_one_worker_trains_the_plain_model_under_autocast_as_a_hand_written_loop
         ref_opt.zero_grad(set_to_none=True)
         # the same model and data; embeddings hand bf16 on (as under FSDP2's policy), the reference's stay fp32
         assert abs(loss - float(ref_loss.detach())) < 2e-2 * abs(float(ref_loss.detach())), (step, loss)
-    last = list(sampler.micro_batches(STEPS, 1, plan.micro_batch_size, 0, 1))
-    peak = measure_step_peak(model, opt, lambda: train_step(model, opt, last, 1), torch.device("cpu"))
+    peak = measure_step_peak(model, opt, lambda: state.step(STEPS, 0, 1), torch.device("cpu"))
     assert plan.predicted.peak_memory_bytes is not None
     assert peak <= plan.predicted.peak_memory_bytes * 1.02, (peak, plan.predicted.peak_memory_bytes)
 
@@ -71,14 +67,11 @@ def test_one_worker_in_fp32_computes_in_fp32_within_its_predicted_memory() -> No
     """The prediction counts FSDP2's DP (a second full copy in the compute dtype): 13% over a world of one in fp32."""
     recipe = _recipe("fp32")
     plan = plan_recipe(recipe).plan
-    model = build_sharded(recipe.model, plan, torch.device("cpu"))
-    sampler = BatchSampler(load_tokens(recipe.data, 0), plan.seq_len, 0)
-    x = next(iter(sampler.micro_batches(0, 1, plan.micro_batch_size, 0, 1)))[0]
-    assert _linear_dtypes(model, x) == {torch.float32}
-    opt = build_optimizer(model, recipe.train)
-    batches = [list(sampler.micro_batches(s, 1, plan.micro_batch_size, 0, 1)) for s in range(2)]
-    train_step(model, opt, batches[0], 1)
-    peak = measure_step_peak(model, opt, lambda: train_step(model, opt, batches[1], 1), torch.device("cpu"))
+    state = build_worker_state(recipe, plan, torch.device("cpu"))
+    x = next(state.batches(0, 0, 1))[0]
+    assert _linear_dtypes(state.model, x) == {torch.float32}
+    state.step(0, 0, 1)
+    peak = measure_step_peak(state.model, state.optimizer, lambda: state.step(1, 0, 1), torch.device("cpu"))
     predicted = plan.predicted.peak_memory_bytes
     assert predicted is not None
     assert peak <= predicted * 1.02

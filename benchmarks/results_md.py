@@ -1,4 +1,5 @@
-"""RESULTS.md and the PNGs from side_by_side.py's JSON: every table names the command that made it."""
+"""RESULTS.md and its splitting chart from side_by_side.py's JSON (the other PNGs: results_png.py); every table
+names the command that made it."""
 
 import statistics
 from collections import Counter
@@ -9,6 +10,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from results_png import png_fidelity, png_ratios
 from search_report import paper_md, search_md
 
 MIB = 2**20
@@ -147,55 +149,6 @@ def _verdict(rows: list[dict[str, Any]]) -> list[str]:
     return [*out, ""]
 
 
-def _png_ratios(rows: list[dict[str, Any]], path: Path) -> None:
-    worlds = sorted({r["world"] for r in rows})
-    fig, axes = plt.subplots(len(worlds), 1, figsize=(11, 3.5 * len(worlds)), squeeze=False)
-    for ax, world in zip(axes[:, 0], worlds, strict=True):
-        mine = [r for r in rows if r["world"] == world]
-        cells = list(dict.fromkeys((r["shape"], r["budget"]) for r in mine))
-        planners = list(dict.fromkeys(r["planner"] for r in mine))
-        for i, p in enumerate(planners):
-            ys = [
-                next(
-                    (
-                        r["ratio"] or 0
-                        for r in mine
-                        if (r["shape"], r["budget"]) == c and r["planner"] == p and r["fits"]
-                    ),
-                    0,
-                )
-                for c in cells
-            ]
-            ax.bar([j + i * 0.16 for j in range(len(cells))], ys, width=0.16, label=p)
-        ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_xticks([j + 0.32 for j in range(len(cells))], [f"{s}\n{b}" for s, b in cells], fontsize=7)
-        ax.set_ylabel("throughput / best uniform")
-        ax.set_title(f"{world} gloo workers (0 = does not fit)")
-        ax.legend(fontsize=7, ncol=5)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _png_fidelity(rows: list[dict[str, Any]], path: Path) -> None:
-    fit = [r for r in rows if r["fits"]]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4.5))
-    for ax, pred, meas, unit, scale in (
-        (a, "pred_step_s", "step_s", "step ms", 1e3),
-        (b, "pred_peak", "peak", "peak MiB", 1 / MIB),
-    ):
-        xs = [r[pred] * scale for r in fit]
-        ys = [(statistics.median(r[meas]) if isinstance(r[meas], list) else r[meas]) * scale for r in fit]
-        ax.scatter(xs, ys, s=12)
-        top = max(xs + ys)
-        ax.plot([0, top], [0, top], "k--", lw=0.8)
-        ax.set_xlabel(f"predicted {unit}")
-        ax.set_ylabel(f"measured {unit}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def _split(result: dict[str, Any], results_dir: Path, name: str) -> list[str]:
     if not result["split"]:
         return []
@@ -324,8 +277,8 @@ def _submit(result: dict[str, Any]) -> list[str]:
 
 def write_report(result: dict[str, Any], md: Path, results_dir: Path, name: str) -> None:
     rows = cell_rows(result)
-    _png_ratios(rows, results_dir / f"{name}_ratios.png")
-    _png_fidelity(rows, results_dir / f"{name}_fidelity.png")
+    png_ratios(rows, results_dir / f"{name}_ratios.png")
+    png_fidelity(rows, results_dir / f"{name}_fidelity.png")
     worlds = sorted({r["world"] for r in rows})
     lines = [
         "# Benchmark results",
@@ -363,14 +316,20 @@ def write_report(result: dict[str, Any], md: Path, results_dir: Path, name: str)
     paper = paper_md(results_dir) or _paper(result)
     lines += _split(result, results_dir, name) + paper + _search(result) + search_md(results_dir) + _submit(result)
     lines += ["## Where OSDP does not win, and why", "", WHY, ""]
-    md.write_text("\n".join(lines) + _kept_gpu_section(md))
+    md.write_text("\n".join(lines) + _kept_sections(md))
 
 
-def _kept_gpu_section(md: Path) -> str:
-    """benchmarks/gpu_check.py's section, which runs on another machine: kept as it was."""
+KEPT = ("by_hand", "gpu_check")  # sections this script does not measure: kept by hand, and gpu_check.py's (a GPU's)
+
+
+def _kept_sections(md: Path) -> str:
+    """The sections other scripts and people wrote, each between its markers, kept as they were."""
     text = md.read_text() if md.exists() else ""
-    start, end = text.find("<!-- gpu_check -->"), text.find("<!-- /gpu_check -->")
-    return "\n" + text[start : end + len("<!-- /gpu_check -->")] + "\n" if 0 <= start < end else ""
+    kept = ""
+    for name in KEPT:
+        start, end = text.find(f"<!-- {name} -->"), text.find(f"<!-- /{name} -->")
+        kept += "\n" + text[start : end + len(f"<!-- /{name} -->")] + "\n" if 0 <= start < end else ""
+    return kept
 
 
 WHY = (

@@ -1,0 +1,85 @@
+"""Advice when nothing fits: the least memory a plan needs, and the budget to ask for.
+
+The least footprint is also a candidate of the osdp search (search_osdp), since the knapsack's
+memory bound is conservative and a plan it rejects may fit when simulated.
+"""
+
+from osdp_planners.batch_search import AUTO_MILP_BINARIES, AUTO_TIME_LIMIT_S, candidates, unit_costs
+from osdp_planners.choice import Choice, describe
+from osdp_planners.errors import NoPlanFits
+from osdp_planners.evaluate import Bound, Context, evaluate
+from osdp_planners.milp import TIME_LIMIT_S, least_peak
+from osdp_planners.options import SPLITS, Option
+from osdp_planners.plan import Strategy
+from osdp_planners.request import PlanRequest
+from osdp_planners.search import least_bound
+from osdp_planners.space import batch_candidates, checkpointable, splittable, unit_option_lists
+from osdp_planners.uniform import uniform_footprint
+
+GIB = 1024**3
+
+
+def _use_milp(mode: str, binaries: int) -> bool:
+    return mode == "milp" or (mode == "auto" and binaries <= AUTO_MILP_BINARIES)
+
+
+def _milp_time_limit(mode: str) -> float:
+    return TIME_LIMIT_S if mode == "milp" else AUTO_TIME_LIMIT_S
+
+
+def smallest_footprint(ctx: Context, req: PlanRequest) -> Choice:
+    """The least memory a plan needs, as far as the planner can tell, at the smallest batch: the plan
+    with the least simulated peak where the exact program runs (see osdp.search_batch), the plan that
+    minimises the search's memory bound, or a uniform ZeRO-3 plan (every split factor, with and
+    without checkpointing: splitting adds buffers, so more is not always less), whichever simulates lower."""
+    batch, accum = min(batch_candidates(req))
+    units = [u.name for u in ctx.profile.units]
+    options = unit_option_lists(ctx, req)
+    bound = Bound(ctx, batch, accum)
+    bound.add_neighbour_buffers(options)
+    costs = unit_costs(ctx, bound, units, options, batch, accum)
+    choices = [least_bound(candidates(bound, units, options, costs))]
+    if _use_milp(req.search, sum(len(options[u]) for u in units)):
+        exact = least_peak(bound, units, options, costs, _milp_time_limit(req.search))
+        choices += [] if exact is None else [exact]
+    plans = [{u: options[u][i] for u, i in zip(units, c, strict=False)} for c in choices]
+    for split in SPLITS:
+        for ckpt in (False, True):
+            plans.append(
+                {
+                    u.name: Option(
+                        Strategy.ZERO3,
+                        req.world_size,
+                        split if splittable(ctx, u.name) else 1,
+                        ckpt and checkpointable(ctx, u.name),
+                    )
+                    for u in ctx.profile.units
+                }
+            )
+    evaluated = [Choice(p, batch, accum, evaluate(ctx, p, batch, accum)) for p in plans]
+    return min(evaluated, key=lambda c: c.evaluation.peak_bytes)
+
+
+def infeasible(ctx: Context, req: PlanRequest) -> NoPlanFits:
+    """Why nothing fits, with the least budget that would fit a plan of this planner."""
+    uniform = req.planner not in ("osdp", "manual")
+    low = uniform_footprint(ctx, req, Strategy(req.planner)) if uniform else smallest_footprint(ctx, req)
+    need = low.evaluation.peak_bytes
+    what = f"no {req.planner} plan fits at any batch size" if uniform else "no plan fits"
+    advised = req.margin.budget_for(need) / GIB
+    fix = (
+        f"raise {req.budget_key} to at least {advised:.4f} GiB (the footprint plus the "
+        f"{req.margin.describe()} margin), add devices, or shorten data.seq_len"
+    )
+    if uniform:
+        mixed = req.margin.budget_for(smallest_footprint(ctx, req).evaluation.peak_bytes) / GIB
+        fix += f"; or use planner.name=osdp, which mixes strategies and fits from {mixed:.4f} GiB"
+    return NoPlanFits(
+        req.budget_key,
+        round(req.memory_limit_bytes / GIB, 4),
+        f"{what}: the smallest footprint the planner finds is {need / GIB:.4f} GiB per device "
+        f"({describe(low.options)}; micro batch {low.micro_batch_size}), and {ctx.usable_memory_bytes / GIB:.4f} GiB "
+        f"of the budget is usable after the {req.margin.describe()} margin",
+        fix,
+        advised,
+    )
