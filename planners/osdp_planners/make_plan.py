@@ -216,8 +216,12 @@ def _planning_failed(req: PlanRequest, exc: Exception) -> UserError:
 
 
 def _make_plan(build: Builder, req: PlanRequest, measure_on: str | None) -> PlanResult:
+    return plan_in(build, req, build_context(build, req, measure_on))
+
+
+def plan_in(build: Builder, req: PlanRequest, ctx: Context) -> PlanResult:
+    """The plan `req.planner` makes in a context already built (profiled and timed): no probe runs here."""
     model = build("meta")
-    ctx = build_context(build, req, measure_on)
     if req.planner == "osdp":
         choice = search_osdp(ctx, req)
     elif req.planner == "manual":
