@@ -127,22 +127,28 @@ class ElasticRun:
         self.results.append(result)
         while True:
             with GrowthWatch(hw, self.nodes, self.inbox):
-                failed = self._fit(self.start(result, len(self.results) - 1))
+                failure = self._fit(self.start(result, len(self.results) - 1))
             step = self._step()
             if step >= self.recipe.train.steps:
                 return result
+            nodes = wait_for_nodes(hw, settle_s=SETTLE_S if failure else 0.0)
+            if failure is not None and nodes >= self.nodes:
+                self._count(failure)  # a crash, not a node that went: train.max_failures bounds these
             before = result.plan.world_size
-            self.nodes = wait_for_nodes(hw, settle_s=SETTLE_S if failed else 0.0)
-            result = self.replan(self.nodes)
+            why = f"a worker failed: {one_line(root_cause(failure))[:160]}" if failure else "more nodes came"
+            if nodes == self.nodes:  # the same world size: the same plan (a plan is a function of it)
+                self.say(f"world size {before} again at step {step} ({why}): plan v{len(self.results)} stays")
+                continue
+            self.nodes = nodes
+            result = self.replan(nodes)
             self.results.append(result)
             self.on_plan(len(self.results), step, result)
-            why = f"after {failed}" if failed else "to use the nodes that came"
             self.say(
                 f"world size {before} -> {result.plan.world_size} at step {step} ({why}): re-planned without a new "
                 f"probe, plan v{len(self.results)}: {describe(result)}"
             )
 
-    def _fit(self, trainer: Any) -> str | None:
+    def _fit(self, trainer: Any) -> Exception | None:
         """Run one group; None when it ended (done, or stopped to grow), else what failed."""
         try:
             trainer.fit()
@@ -150,12 +156,14 @@ class ElasticRun:
             cause = root_cause(exc)
             if isinstance(cause, UserError):
                 raise cause from None
-            self.failures += 1
-            limit = self.recipe.train.max_failures
-            if 0 <= limit < self.failures:
-                raise
-            return one_line(cause)
+            return exc
         return None
+
+    def _count(self, failure: Exception) -> None:
+        self.failures += 1
+        limit = self.recipe.train.max_failures
+        if 0 <= limit < self.failures:
+            raise failure
 
     def _step(self) -> int:
         """The step the next group continues at: the last stored checkpoint's (0: none yet)."""
