@@ -6,7 +6,6 @@ and takes one away by killing its raylet, as a pre-empted spot node goes. The dr
 `osdp-platform` CLI in a subprocess, joined to the head's GCS as a user's driver on the cluster would be.
 """
 
-import json
 import os
 import signal
 import subprocess
@@ -34,7 +33,7 @@ pytestmark = pytest.mark.heavy
 
 NODE = {"CPU": 1, "ELASTIC": 1}
 NODE_TYPES = {"elastic": {**NODE, "object_store_memory": 100_000_000}}
-STEPS = 30
+STEPS = 24
 ELASTIC = [
     "hardware.workers_per_node=1",
     "hardware.min_nodes=1",
@@ -143,8 +142,7 @@ def test_a_run_shrinks_when_a_node_goes_and_grows_when_one_comes_back(head: RayH
         _wait("the first checkpoints", lambda: _tag_at_least(db, "checkpoint_step", 4), 300, proc)
         _take_a_node(head)
         _wait("a plan for the smaller world", lambda: _tag_at_least(db, "plan_versions", 2), 180, proc)
-        _wait("a checkpoint of the smaller world", lambda: _tag_at_least(db, "restarts", 1), 180, proc)
-        _nodes(head, 2)
+        _nodes(head, 2)  # launched while the smaller group starts: it grows at its first checkpoint or later
         out, _ = proc.communicate(timeout=420)
     finally:
         if proc.poll() is None:
@@ -162,6 +160,8 @@ def test_a_run_shrinks_when_a_node_goes_and_grows_when_one_comes_back(head: RayH
     assert [int(m.value) for m in sorted(worlds, key=lambda m: m.step)] == [2, 1, 2]
     shrunk_at, grown_at = by_version[2], by_version[3]
     assert 0 < shrunk_at < grown_at < STEPS
+    predicted = {m.step for m in client.get_metric_history(run_id, "predicted_peak_memory_bytes")}
+    assert {0, shrunk_at, grown_at} <= predicted, predicted
     plans = {p.path: p for p in client.list_artifacts(run_id, "plans")}
     assert set(plans) == {"plans/v1-world2.json", "plans/v2-world1.json", "plans/v3-world2.json"}
     small = Plan.from_file(client.download_artifacts(run_id, "plans/v2-world1.json", str(tmp_path)))
@@ -177,7 +177,6 @@ def test_a_run_shrinks_when_a_node_goes_and_grows_when_one_comes_back(head: RayH
     expected = _reference([*ELASTIC, *args], small, str(checkpoint), steps)
     got = [losses[s] for s in steps]
     assert torch.allclose(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=1e-6), (got, expected)
-    print(json.dumps({"shrunk_at": shrunk_at, "grown_at": grown_at, "got": got, "expected": expected}))
 
 
 def test_a_shrink_below_every_plan_stops_with_the_planners_message(head: RayHead, tmp_path: Path) -> None:

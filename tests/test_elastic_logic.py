@@ -48,6 +48,7 @@ def test_an_elastic_pool_is_the_range_and_plans_at_the_largest() -> None:
         (["hardware.nodes=3"], "hardware.nodes", "outside the elastic range 1..2"),
         (["train.global_batch_size=null"], "train.global_batch_size", "must be set for an elastic pool"),
         (["train.checkpoint_every=0"], "train.checkpoint_every", "must be above 0 for an elastic pool"),
+        (["planner.name=manual", f"planner.plan_file={__file__}"], "planner.name", "made for one world size"),
         # world sizes 2, 4 and 6 with micro batch 8: the global batch must be a multiple of 8 x 12
         (
             ["hardware.workers_per_node=2", "hardware.max_nodes=3", "train.global_batch_size=64"],

@@ -119,6 +119,7 @@ class ElasticRun:
     on_plan: Callable[[int, int, PlanResult], None]
     say: Callable[[str], None]
     failures: int = 0
+    groups: int = 0  # worker groups started
     results: list[PlanResult] = field(default_factory=list)
 
     def run(self) -> PlanResult:
@@ -127,7 +128,8 @@ class ElasticRun:
         self.results.append(result)
         while True:
             with GrowthWatch(hw, self.nodes, self.inbox):
-                failure = self._fit(self.start(result, len(self.results) - 1))
+                failure = self._fit(self.start(result, self.groups))
+                self.groups += 1
             step = self._step()
             if step >= self.recipe.train.steps:
                 return result

@@ -229,7 +229,7 @@ def submit(
     check_cluster(recipe)
     hw = recipe.hardware
     nodes = wait_for_nodes(hw) if hw.elastic else hw.nodes
-    if planned is None:
+    if planned is None or planned.plan.nodes != nodes:  # a sweep's plan is for an elastic pool's largest
         pool = f" on {nodes} of {hw.min_nodes}..{hw.max_nodes} node(s) there" if hw.elastic else ""
         console.print(
             f"[bold]planning[/] {recipe.model.label} with planner {recipe.planner.name}{pool} on a sample worker"

@@ -245,6 +245,13 @@ class Recipe(Section):
                 "size changes, and gradient accumulation makes up the difference",
                 f"set it to a multiple of micro_batch_size x every world size {sizes}, e.g. {example}",
             )
+        if self.planner.name == "manual":
+            raise FieldProblem(
+                "planner.name",
+                "manual",
+                "a plan file is made for one world size, and an elastic pool is re-planned for every size it gets",
+                "use planner.name=osdp (or a uniform planner), or a fixed pool (remove min_nodes and max_nodes)",
+            )
         if self.train.checkpoint_every == 0:
             raise FieldProblem(
                 "train.checkpoint_every",
