@@ -63,7 +63,7 @@ def test_token_files_are_memory_mapped_and_windows_stay_inside_one_file(prepared
     files = [np.asarray(p, dtype=np.int64) for p in tokens.parts]
     seen = set()
     for step in range(20):
-        x, y = sampler.global_batch(step, 0, 8)
+        x, y = sampler.global_batch(step, 8)
         assert torch.equal(x[:, 1:], y[:, :-1])
         for row in torch.cat([x, y[:, -1:]], dim=1).numpy():
             part = next(i for i, f in enumerate(files) if _contains(f, row))
@@ -81,9 +81,9 @@ def test_sampler_is_keyed_by_step_and_workers_split_the_global_batch() -> None:
     sampler = BatchSampler(Tokens(parts), SEQ_LEN, seed=4)
     again = BatchSampler(Tokens(parts), SEQ_LEN, seed=4)  # a resumed run starts a fresh sampler
     for step in (0, 7):
-        x, y = sampler.global_batch(step, 1, 8)
-        assert torch.equal(x, again.global_batch(step, 1, 8)[0])
-        rows = [sampler.rank_batch(step, 1, 2, rank, 4) for rank in range(4)]
+        x, y = sampler.global_batch(step, 8)
+        assert torch.equal(x, again.global_batch(step, 8)[0])
+        rows = [sampler.rank_batch(step, 0, 2, 1, rank, 4) for rank in range(4)]
         assert torch.equal(torch.cat([r[0] for r in rows]), x) and torch.equal(torch.cat([r[1] for r in rows]), y)
         assert ((x[:, 1:] - x[:, :-1]) == 1).all()  # consecutive ids: no window spans both parts
     with pytest.raises(ValueError, match="seq_len"):

@@ -108,7 +108,7 @@ def _reference(recipe: Recipe) -> tuple[list[float], dict[str, torch.Tensor]]:
     optimizer = build_optimizer(model, recipe.train)
     sampler = BatchSampler(load_tokens(recipe.data, recipe.train.seed), recipe.data.seq_len, recipe.train.seed)
     losses = [
-        float(train_step(model, optimizer, [sampler.global_batch(step, 0, MICRO_BATCH * WORLD)], 1))
+        float(train_step(model, optimizer, [sampler.global_batch(step, MICRO_BATCH * WORLD)], 1))
         for step in range(STEPS)
     ]
     return losses, initial

@@ -71,7 +71,8 @@ def _reference_losses(recipe: Recipe, micro_batch: int, world: int, accum: int) 
     sampler = BatchSampler(load_tokens(recipe.data, 0), recipe.data.seq_len, 0)
     losses = []
     for step in range(STEPS):
-        batches = [sampler.global_batch(step, m, micro_batch * world) for m in range(accum)]
+        x, y = sampler.global_batch(step, micro_batch * world * accum)
+        batches = list(zip(x.split(micro_batch * world), y.split(micro_batch * world), strict=True))
         losses.append(float(train_step(model, opt, batches, accum)))
     return losses
 

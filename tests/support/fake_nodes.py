@@ -4,11 +4,12 @@ All fake nodes live in the head's session folder on this one machine. A node unp
 working directory into its runtime-env folder and replaces it whenever it sets up a worker for the
 job, so with one shared folder a node starting the planner actor would pull the working directory
 out from under the job's driver on the head. Real nodes each have their own disk; here each fake
-node gets its own folder, and nothing else about the provider changes.
+node gets its own folder.
 """
 
 import functools
 import uuid
+from pathlib import Path
 from unittest import mock
 
 import ray._private.parameter
@@ -16,6 +17,15 @@ from ray.autoscaler._private.fake_multi_node.node_provider import FakeMultiNodeP
 
 
 class FakeNodesWithOwnDisks(FakeMultiNodeProvider):
+    """Also a cloud that can run out: while the file the config names `no_capacity_file` exists, no node is
+    launched (as when a spot pool has none to give), so a test decides when a lost node comes back."""
+
+    def create_node_with_resources_and_labels(self, node_config, tags, count, resources, labels):  # type: ignore[no-untyped-def]
+        hold = self.provider_config.get("no_capacity_file")
+        if hold and Path(hold).exists():
+            raise RuntimeError("the fake cloud has no capacity now")
+        super().create_node_with_resources_and_labels(node_config, tags, count, resources, labels)
+
     def _create_node_with_resources_and_labels(self, node_config, tags, count, resources, labels):  # type: ignore[no-untyped-def]
         params = functools.partial(
             ray._private.parameter.RayParams, runtime_env_dir_name=f"runtime_resources_{uuid.uuid4().hex[:8]}"

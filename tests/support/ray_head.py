@@ -62,7 +62,11 @@ def _free_ports(count: int) -> list[int]:
 
 
 def fake_autoscaling_config(
-    gcs_address: str, node_types: dict[str, dict[str, float]], max_workers: int, idle_timeout_s: float
+    gcs_address: str,
+    node_types: dict[str, dict[str, float]],
+    max_workers: int,
+    idle_timeout_s: float,
+    no_capacity_file: Path | None = None,
 ) -> dict[str, Any]:
     """An autoscaler config for Ray's fake multi-node provider: a head without CPUs and on-demand node types.
 
@@ -86,6 +90,7 @@ def fake_autoscaling_config(
             "head_node_id": FAKE_HEAD_NODE_ID,
             "launch_multiple": True,
             "disable_node_updaters": True,
+            "no_capacity_file": str(no_capacity_file) if no_capacity_file else None,
         },
         "auth": {"ssh_user": "ray"},
         "head_node_type": "ray.head.default",
@@ -112,6 +117,7 @@ class RayHead:
     gcs_address: str
     dashboard_url: str
     client_address: str
+    no_capacity: Path | None = None  # autoscaling heads: while this file exists, the fake cloud launches no node
 
     def alive_nodes(self) -> list[dict[str, Any]]:
         """Nodes the head reports alive, through its dashboard (no driver, so nothing to clash with)."""
@@ -213,7 +219,10 @@ def start_head(
     ]
     if node_types is not None:
         config = base / "autoscaling.json"
-        config.write_text(json.dumps(fake_autoscaling_config(gcs_address, node_types, max_workers, idle_timeout_s)))
+        no_capacity = base / "no-capacity"
+        config.write_text(
+            json.dumps(fake_autoscaling_config(gcs_address, node_types, max_workers, idle_timeout_s, no_capacity))
+        )
         cmd.append(f"--autoscaling-config={config}")
         env.update(
             PYTHONPATH=os.pathsep.join(filter(None, [TEST_PATH, env.get("PYTHONPATH")])),  # fake_nodes, test modules
@@ -227,6 +236,8 @@ def start_head(
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=base, start_new_session=True)
     head = RayHead(proc, temp_dir, gcs_address, f"http://{LOOPBACK}:{dashboard}", f"ray://{LOOPBACK}:{client}")
+    if node_types is not None:
+        head.no_capacity = no_capacity
     try:
         _wait_for_dashboard(head.dashboard_url, proc, log, timeout_s)
     except BaseException:

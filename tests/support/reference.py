@@ -27,7 +27,7 @@ def reference_run(
     sampler = BatchSampler(load_tokens(recipe.data, t.seed), recipe.data.seq_len, t.seed)
     losses = []
     for step in range(steps):
-        x, y = sampler.global_batch(step, 0, global_batch)
+        x, y = sampler.global_batch(step, global_batch)
         out = model(x)
         logits = out.logits if hasattr(out, "logits") else out  # Hugging Face models return an output object
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))

@@ -57,7 +57,7 @@ def connect(recipe: Recipe, address: str | None, verbose: bool = True) -> None:
 def check_cluster(recipe: Recipe) -> None:
     """Fail fast, never wait forever, when the cluster lacks the devices the pool declares."""
     hw = recipe.hardware
-    if hw.autoscaling:
+    if hw.autoscaling or hw.elastic:  # an elastic pool waits for hardware.min_nodes (driver/elastic.py)
         return
     resources = ray.cluster_resources()
     pool = hw.pool_resource

@@ -17,8 +17,9 @@ from osdp_planners import PlanResult
 from osdp_planners.plan import Plan
 from osdp_planners.units import structure_hash
 from osdp_platform.driver.cluster import beside_the_driver, check_cluster, connect, pool_request
+from osdp_platform.driver.elastic import ElasticRun, wait_for_nodes
 from osdp_platform.driver.pump import MetricsPump
-from osdp_platform.driver.resume import check_resumable, find_resume_point
+from osdp_platform.driver.resume import ResumePoint, check_resumable, find_resume_point
 from osdp_platform.driver.system_metrics import NodeSamplers
 from osdp_platform.planning.sample_worker import plan_on_sample_worker
 from osdp_platform.recipe.schema import Recipe
@@ -26,6 +27,7 @@ from osdp_platform.runtime.inbox import MetricsInbox
 from osdp_platform.runtime.models import build_model
 from osdp_platform.runtime.worker import WorkerConfig, train_loop
 from osdp_platform.runtime.worker_env import worker_env
+from osdp_platform.tracking.plan_versions import record_plan_version
 from osdp_platform.tracking.report import log_report
 from osdp_platform.tracking.runs import Metric, RunKind, RunTracker, check_reachable
 
@@ -133,8 +135,12 @@ def warn_on(console: Console) -> Callable[[str], None]:
     return lambda message: console.print(f"warning: {message}", style="yellow", markup=False, highlight=False)
 
 
+def _say(console: Console) -> Callable[[str], None]:
+    return lambda text: console.print(text, markup=False, highlight=False)
+
+
 def _train(
-    trainer: TorchTrainer, recipe: Recipe, summary: RunSummary, tracker: RunTracker, inbox: Any, console: Console
+    fit: Callable[[], object], recipe: Recipe, summary: RunSummary, tracker: RunTracker, inbox: Any, console: Console
 ) -> None:
     """Run the workers with a progress bar while the pump moves their metrics, and node samples, to MLflow."""
     done = threading.Event()
@@ -152,11 +158,49 @@ def _train(
         pump = threading.Thread(target=MetricsPump(inbox, tracker, on_metrics).run, args=(done,), daemon=True)
         pump.start()
         try:
-            trainer.fit()
+            fit()
         finally:
             samplers.stop()
             done.set()
             pump.join()
+
+
+def _trainer(
+    recipe: Recipe,
+    plan: Plan,
+    inbox: Any,
+    point: ResumePoint | None,
+    train_fn: Callable[[dict[str, Any]], None],
+    name: str,
+) -> TorchTrainer:
+    """One worker group of `plan.world_size` workers (an elastic run starts one per world size it has)."""
+    return TorchTrainer(
+        train_fn,
+        train_loop_config=dict(
+            WorkerConfig(
+                recipe=recipe,
+                plan=plan,
+                inbox=inbox,
+                resume_from=point.path if point else None,
+                checkpoint_root=recipe.train.storage_root,
+                elastic=recipe.hardware.elastic,
+            )
+        ),
+        scaling_config=ScalingConfig(
+            num_workers=plan.world_size,
+            use_gpu=recipe.hardware.accelerator == "gpu",
+            resources_per_worker={"CPU": 1, **pool_request(recipe.hardware)},
+        ),
+        # ray.train's RunConfig is Train V2's at run time (worker_runtime_env); mypy reads the V1 class
+        run_config=RunConfig(  # type: ignore[call-arg]
+            name=name,
+            storage_path=recipe.train.storage_root,
+            checkpoint_config=CheckpointConfig(num_to_keep=recipe.train.checkpoints_to_keep),
+            # an elastic run restarts its groups itself (driver/elastic.py), re-planned for the nodes there
+            failure_config=FailureConfig(max_failures=0 if recipe.hardware.elastic else recipe.train.max_failures),
+            worker_runtime_env={"env_vars": worker_env(os.environ)},
+        ),
+    )
 
 
 def submit(
@@ -183,9 +227,14 @@ def submit(
     check_reachable(recipe.tracking.resolved_uri)
     connect(recipe, address, verbose)
     check_cluster(recipe)
-    if planned is None:
-        console.print(f"[bold]planning[/] {recipe.model.label} with planner {recipe.planner.name} on a sample worker")
-        planned = plan_on_sample_worker(recipe)
+    hw = recipe.hardware
+    nodes = wait_for_nodes(hw) if hw.elastic else hw.nodes
+    if planned is None or planned.plan.nodes != nodes:  # a sweep's plan is for an elastic pool's largest
+        pool = f" on {nodes} of {hw.min_nodes}..{hw.max_nodes} node(s) there" if hw.elastic else ""
+        console.print(
+            f"[bold]planning[/] {recipe.model.label} with planner {recipe.planner.name}{pool} on a sample worker"
+        )
+        planned = plan_on_sample_worker(recipe.at_nodes(nodes))
     plan = planned.plan
     tracker = RunTracker.start(recipe, RunKind.TRAIN, plan, tags, warn=warn_on(console))
     tracker.log_text(planned.explanation.computed_from, "profile.json")
@@ -194,36 +243,25 @@ def submit(
         tracker.record_resume(point.run_id, point.path, point.step)
         console.print(f"resuming run {point.run_id} at step {point.step} from {point.path}")
     inbox = MetricsInbox.options(scheduling_strategy=beside_the_driver()).remote()  # type: ignore[attr-defined]
-    trainer = TorchTrainer(
-        train_fn,
-        train_loop_config=dict(
-            WorkerConfig(
-                recipe=recipe,
-                plan=plan,
-                inbox=inbox,
-                resume_from=point.path if point else None,
-                checkpoint_root=recipe.train.storage_root,
-            )
-        ),
-        scaling_config=ScalingConfig(
-            num_workers=recipe.hardware.world_size,
-            use_gpu=recipe.hardware.accelerator == "gpu",
-            resources_per_worker={"CPU": 1, **pool_request(recipe.hardware)},
-        ),
-        # ray.train's RunConfig is Train V2's at run time (worker_runtime_env); mypy reads the V1 class
-        run_config=RunConfig(  # type: ignore[call-arg]
-            name=f"{recipe.name}-{tracker.run_id[:8]}",
-            storage_path=recipe.train.storage_root,
-            checkpoint_config=CheckpointConfig(num_to_keep=recipe.train.checkpoints_to_keep),
-            failure_config=FailureConfig(max_failures=recipe.train.max_failures),
-            worker_runtime_env={"env_vars": worker_env(os.environ)},
-        ),
-    )
+
+    def start(result: PlanResult, group: int) -> TorchTrainer:
+        suffix = f"-g{group}" if group else ""
+        return _trainer(recipe, result.plan, inbox, point, train_fn, f"{recipe.name}-{tracker.run_id[:8]}{suffix}")
+
+    def on_plan(version: int, step: int, result: PlanResult) -> None:
+        record_plan_version(tracker, version, step, result.plan)
+        summary.plan = result.plan
+
+    elastic = ElasticRun(recipe, planned, nodes, inbox, start, on_plan, _say(console)) if hw.elastic else None
+    if elastic is not None:
+        on_plan(1, summary.first_step, planned)
     try:
-        _train(trainer, recipe, summary, tracker, inbox, console)
+        _train(elastic.run if elastic else start(planned, 0).fit, recipe, summary, tracker, inbox, console)
     except BaseException:
         tracker.finish("FAILED")
         raise
+    if elastic is not None:
+        planned = elastic.results[-1]
     measured = summary.measured()
     tracker.log_metrics(measured, step=recipe.train.steps)
     log_report(tracker, planned, summary.rank_peaks(), measured[Metric.MEASURED_STEP_TIME])

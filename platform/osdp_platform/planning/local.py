@@ -18,7 +18,7 @@ def plan_request(recipe: Recipe) -> PlanRequest:
         planner=recipe.planner.name,
         model_label=recipe.model.label,
         model_key=recipe.model.model_dump_json(),
-        nodes=hw.nodes,
+        nodes=hw.node_counts[-1],  # an elastic pool's largest (submit plans each size it gets: recipe.at_nodes)
         workers_per_node=hw.workers_per_node,
         device=get_preset(hw.preset),
         memory_limit_bytes=recipe.memory_limit_bytes,

@@ -187,7 +187,19 @@ class HardwareSection(Section):
     accelerator: Literal["cpu", "gpu"] = Field(
         default="cpu", description="the workers' device type; the preset must be of the same type"
     )
-    nodes: PositiveInt = Field(default=1, description="nodes in the pool")
+    nodes: PositiveInt = Field(
+        default=1, description="nodes in a fixed pool (an elastic pool sets min_nodes and max_nodes instead)"
+    )
+    min_nodes: PositiveInt | None = Field(
+        default=None,
+        description="elastic pool, with max_nodes: the fewest nodes the run trains on; when nodes go, it re-plans "
+        "for the nodes left and resumes from its last checkpoint (fewer: it waits wait_for_nodes_s, then stops)",
+    )
+    max_nodes: PositiveInt | None = Field(
+        default=None,
+        description="elastic pool, with min_nodes: the most nodes the run trains on; when nodes come, it grows at "
+        "its next checkpoint, re-planned for them (needs train.global_batch_size and checkpoint_every)",
+    )
     workers_per_node: PositiveInt = Field(default=2, description="Ray Train workers per node, one device each")
     preset: str = Field(
         default="cpu",
@@ -250,9 +262,53 @@ class HardwareSection(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _elastic_range(self) -> "HardwareSection":
+        if (self.min_nodes is None) != (self.max_nodes is None):
+            given, missing = ("min_nodes", "max_nodes") if self.max_nodes is None else ("max_nodes", "min_nodes")
+            raise FieldProblem(
+                f"hardware.{missing}",
+                None,
+                f"is needed with hardware.{given}: an elastic pool is the range min_nodes..max_nodes",
+                f"set hardware.{missing} too, or remove hardware.{given} for a fixed pool of hardware.nodes",
+            )
+        if self.min_nodes is not None and self.max_nodes is not None:
+            if self.min_nodes > self.max_nodes:
+                raise FieldProblem(
+                    "hardware.min_nodes",
+                    self.min_nodes,
+                    f"is above hardware.max_nodes = {self.max_nodes}",
+                    f"set it to at most {self.max_nodes}",
+                )
+            if "nodes" in self.model_fields_set and not self.min_nodes <= self.nodes <= self.max_nodes:
+                raise FieldProblem(
+                    "hardware.nodes",
+                    self.nodes,
+                    f"is outside the elastic range {self.min_nodes}..{self.max_nodes} (min_nodes..max_nodes); an "
+                    "elastic run trains on the nodes that are there",
+                    "remove hardware.nodes, or set it within the range",
+                )
+        return self
+
+    @property
+    def elastic(self) -> bool:
+        return self.max_nodes is not None
+
+    @property
+    def node_counts(self) -> range:
+        """The node counts the run may train on: one for a fixed pool, min_nodes..max_nodes for an elastic one."""
+        if self.min_nodes is None or self.max_nodes is None:
+            return range(self.nodes, self.nodes + 1)
+        return range(self.min_nodes, self.max_nodes + 1)
+
     @property
     def world_size(self) -> int:
-        return self.nodes * self.workers_per_node
+        """The workers of the pool; of an elastic pool, at its largest (max_nodes)."""
+        return self.node_counts[-1] * self.workers_per_node
+
+    def fixed(self, nodes: int) -> "HardwareSection":
+        """This pool fixed at `nodes` nodes: what one plan of an elastic run is made for."""
+        return self.model_copy(update={"nodes": nodes, "min_nodes": None, "max_nodes": None})
 
     @property
     def pool_resource(self) -> str | None:

@@ -1,5 +1,6 @@
 """The recipe schema: what a user may declare, validated strictly (unknown keys are errors)."""
 
+import math
 import os
 from pathlib import Path
 from typing import Literal
@@ -193,20 +194,24 @@ class Recipe(Section):
 
     @model_validator(mode="after")
     def _batch_consistent(self) -> "Recipe":
-        ws = self.hardware.world_size
+        sizes = [n * self.hardware.workers_per_node for n in self.hardware.node_counts]
+        which = "every world size of the elastic pool" if self.hardware.elastic else "the world size"
         g = self.planner.hsdp_group_size
-        if g is not None and ws % g:
-            raise FieldProblem(
-                "planner.hsdp_group_size",
-                g,
-                f"does not divide the world size {ws} (hardware.nodes x workers_per_node)",
-                f"use a divisor of {ws}: {', '.join(str(d) for d in range(1, ws + 1) if ws % d == 0)}",
-            )
+        for ws in sizes:
+            if g is not None and ws % g:
+                raise FieldProblem(
+                    "planner.hsdp_group_size",
+                    g,
+                    f"does not divide {which}, {ws} (hardware nodes x workers_per_node)",
+                    f"use a divisor of {ws}: {', '.join(str(d) for d in range(1, ws + 1) if ws % d == 0)}",
+                )
         gb, mb = self.train.global_batch_size, self.train.micro_batch_size
+        if self.hardware.elastic:
+            self._elastic_training()
         if gb is not None:
-            step = ws if mb == "auto" else mb * ws
+            step = math.lcm(*sizes) * (1 if mb == "auto" else mb)
             if gb % step:
-                what = "the world size" if mb == "auto" else "micro_batch_size x world size"
+                what = which if mb == "auto" else f"micro_batch_size x {which}"
                 raise FieldProblem(
                     "train.global_batch_size",
                     gb,
@@ -232,6 +237,39 @@ class Recipe(Section):
                 f"lower it (or set it to 0), or raise {self.budget_key}",
             )
         return self
+
+    def _elastic_training(self) -> None:
+        """What an elastic pool needs of training: a global batch that stays (the loss curve continues when
+        the world size changes) and checkpoints (what a resized group resumes from)."""
+        sizes = [n * self.hardware.workers_per_node for n in self.hardware.node_counts]
+        mb = self.train.micro_batch_size
+        example = math.lcm(*sizes) * (1 if mb == "auto" else mb)
+        if self.train.global_batch_size is None:
+            raise FieldProblem(
+                "train.global_batch_size",
+                None,
+                "must be set for an elastic pool (hardware.min_nodes..max_nodes): it stays fixed while the world "
+                "size changes, and gradient accumulation makes up the difference",
+                f"set it to a multiple of micro_batch_size x every world size {sizes}, e.g. {example}",
+            )
+        if self.planner.name == "manual":
+            raise FieldProblem(
+                "planner.name",
+                "manual",
+                "a plan file is made for one world size, and an elastic pool is re-planned for every size it gets",
+                "use planner.name=osdp (or a uniform planner), or a fixed pool (remove min_nodes and max_nodes)",
+            )
+        if self.train.checkpoint_every == 0:
+            raise FieldProblem(
+                "train.checkpoint_every",
+                0,
+                "must be above 0 for an elastic pool: a group that shrinks or grows resumes from the last checkpoint",
+                "set it, e.g. train.checkpoint_every=10",
+            )
+
+    def at_nodes(self, nodes: int) -> "Recipe":
+        """This recipe on a fixed pool of `nodes` nodes: what one plan of an elastic run is made for."""
+        return self.model_copy(update={"hardware": self.hardware.fixed(nodes)})
 
     @property
     def memory_margin(self) -> MemoryMargin:

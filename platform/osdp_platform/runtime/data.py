@@ -6,7 +6,9 @@ uint32), or token files written by `osdp-platform prepare` (uint16/uint32, read 
 
 Every rank derives the same global batch for a step from (seed, step) and takes its own rows, so a
 run on N workers sees exactly the data a single process fed the whole global batch would see, and a
-resumed run continues the same sequence. A window never crosses from one file into the next.
+resumed run continues the same sequence, under any split of that batch into micro batches, accumulation
+steps and workers (an elastic run changes it when its world size changes). A window never crosses from
+one file into the next.
 """
 
 import json
@@ -234,20 +236,26 @@ class BatchSampler:
                 f"the longest token sequence has {longest} tokens, fewer than seq_len + 2 = {self.seq_len + 2}"
             )
 
-    def global_batch(self, step: int, micro_step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and next-token targets for one micro step of the global batch (all ranks' rows)."""
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 1009 + micro_step)
+    def _starts(self, step: int, rows: int) -> torch.Tensor:
+        """Where the step's `rows` windows begin: drawn from (seed, step) alone, whatever the split."""
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 1009)
         total = int(self.tokens.window_counts(self.seq_len + 1).sum())
-        starts = torch.randint(0, total, (rows,), generator=gen)
+        return torch.randint(0, total, (rows,), generator=gen)
+
+    def _rows(self, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         window = self.tokens.windows(starts, self.seq_len + 1)
         return window[:, :-1], window[:, 1:]
 
+    def global_batch(self, step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and next-token targets of a step's whole global batch of `rows` samples."""
+        return self._rows(self._starts(step, rows))
+
     def rank_batch(
-        self, step: int, micro_step: int, micro_batch: int, rank: int, world_size: int
+        self, step: int, micro_step: int, micro_batch: int, grad_accum_steps: int, rank: int, world_size: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = self.global_batch(step, micro_step, micro_batch * world_size)
-        rows = slice(rank * micro_batch, (rank + 1) * micro_batch)
-        return x[rows], y[rows]
+        """This rank's rows of one micro step: its part (`rows_of`) of the step's global batch."""
+        starts = self._starts(step, micro_batch * grad_accum_steps * world_size)
+        return self._rows(starts[rows_of(micro_step, rank, micro_batch, world_size)])
 
     def micro_batches(
         self,
@@ -260,5 +268,13 @@ class BatchSampler:
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's micro batches of one step, on `device` (what `train_step` consumes)."""
         for micro in range(grad_accum_steps):
-            x, y = self.rank_batch(step, micro, micro_batch, rank, world_size)
+            x, y = self.rank_batch(step, micro, micro_batch, grad_accum_steps, rank, world_size)
             yield x.to(device), y.to(device)
+
+
+def rows_of(micro_step: int, rank: int, micro_batch: int, world_size: int) -> slice:
+    """The rows of a step's global batch that `rank` trains on in `micro_step`: micro steps in order, ranks in
+    order within each. Every split of the same global batch (micro x accumulation x world) covers each row
+    once, so a run that changes its world size mid-way still trains each step on the same samples."""
+    first = (micro_step * world_size + rank) * micro_batch
+    return slice(first, first + micro_batch)

@@ -6,7 +6,7 @@ answer, and the driver collects everything pending in one call per poll (driver/
 writes MLflow: a worker imports this module, never that one). A step's metrics leave rank 0 as the step
 ends, stamped with that time, so a later failure of any worker does not lose them and MLflow shows when each
 step ran. The inbox outlives the workers, so it also keeps the newest stored checkpoint for a restart after
-a failure (see checkpoint.py).
+a failure (see checkpoint.py), and tells an elastic run's workers when the driver wants the group resized.
 """
 
 from dataclasses import dataclass
@@ -54,6 +54,7 @@ class MetricsInbox:
     def __init__(self) -> None:
         self.pending: list[Message] = []
         self.checkpoint: CheckpointSaved | None = None
+        self.resize = False  # an elastic run's driver saw more nodes: the workers stop at their next checkpoint
 
     def push(self, message: Message) -> None:
         self.pending.append(message)
@@ -62,6 +63,12 @@ class MetricsInbox:
 
     def latest_checkpoint(self) -> CheckpointSaved | None:
         return self.checkpoint
+
+    def request_resize(self, wanted: bool = True) -> None:
+        self.resize = wanted
+
+    def resize_requested(self) -> bool:
+        return self.resize
 
     def drain(self) -> list[Message]:
         out, self.pending = self.pending, []

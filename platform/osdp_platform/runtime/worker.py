@@ -72,6 +72,7 @@ class WorkerConfig(BaseModel):
     checkpoint_root: str  # Ray Train's storage_path (TrainSection.storage_root): where checkpoints go
     inbox: Any = None  # the driver's MetricsInbox actor handle (inbox.py); None: metrics are not sent
     resume_from: str | None = None  # an earlier run's checkpoint folder (submit --resume)
+    elastic: bool = False  # after each checkpoint, stop if the driver asks to resize the group (driver/elastic.py)
 
 
 def _per_rank(elapsed: float, peak: int | None, world: int, device: torch.device) -> tuple[list[float], list[float]]:
@@ -110,6 +111,17 @@ def _reduce(value: float, op: dist.ReduceOp.RedOpType, device: torch.device) -> 
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=op)
     return float(t.item())
+
+
+def resize_requested(inbox: Any, rank: int, device: torch.device) -> bool:
+    """Whether the driver asked the group to stop for a resize: rank 0 asks the inbox, every rank hears its answer
+    (all ranks leave the loop at the same step, right after a checkpoint, so no step is lost)."""
+    import ray
+
+    asked = rank == 0 and bool(ray.get(inbox.resize_requested.remote()))
+    wanted = torch.tensor([int(asked)], dtype=torch.int64, device=device)
+    dist.broadcast(wanted, src=0)
+    return bool(wanted.item())
 
 
 def train_loop(config: dict[str, Any], before_step: Callable[[int], None] | None = None) -> None:
@@ -173,6 +185,8 @@ def train_loop(config: dict[str, Any], before_step: Callable[[int], None] | None
             path = save_and_report(model, optimizer, step + 1, metrics.as_dict(), cfg.checkpoint_root)
             if path is not None and sender is not None:
                 sender.send(CheckpointSaved(step + 1, path))
+            if cfg.elastic and cfg.inbox is not None and resize_requested(cfg.inbox, rank, device):
+                break
     if sender is not None:
         sender.close()
     dist.barrier()

@@ -94,7 +94,8 @@ def plan_hash(plan: Plan) -> str:
 
 def hardware_label(recipe: Recipe) -> str:
     hw = recipe.hardware
-    return f"{hw.nodes}x{hw.workers_per_node} {hw.preset}"
+    nodes = f"{hw.min_nodes}-{hw.max_nodes}" if hw.elastic else str(hw.nodes)
+    return f"{nodes}x{hw.workers_per_node} {hw.preset}"
 
 
 def _names(items: list[str]) -> str:

@@ -63,7 +63,7 @@ def test_every_section_and_key_is_listed_in_schema_order() -> None:
     assert names == ["", "model", "data", "hardware", "planner", "train", "tracking"]
     train = next(s for s in recipe_docs.sections() if s.name == "train")
     assert [k.path for k in train.keys][:3] == ["train.steps", "train.micro_batch_size", "train.global_batch_size"]
-    assert len(_keys()) == 1 + 5 + 4 + 8 + 9 + 13 + 3
+    assert len(_keys()) == 1 + 5 + 4 + 10 + 9 + 13 + 3
 
 
 def test_value_lists_in_descriptions_cover_the_zoo_and_the_presets() -> None:
