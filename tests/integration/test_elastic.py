@@ -1,8 +1,9 @@
 """An elastic run on a cluster of Ray's fake multi-node provider: nodes go and come, the run re-plans and goes on.
 
 The head (no CPUs) has one node type, one worker each, advertising the pool `ELASTIC`; the test asks
-the autoscaler for nodes (request_resources, from a subprocess: this process keeps away from the head)
-and takes one away by killing its raylet, as a pre-empted spot node goes. The driver is the
+the autoscaler for the first nodes (request_resources, from a subprocess: this process keeps away from the
+head) and takes one away by killing its raylet, as a pre-empted spot node goes, with the fake cloud out of
+capacity; when capacity is back, the node that comes is the one the driver asks for (max_nodes). The driver is the
 `osdp-platform` CLI in a subprocess, joined to the head's GCS as a user's driver on the cluster would be.
 """
 
@@ -39,6 +40,7 @@ ELASTIC = [
     "hardware.min_nodes=1",
     "hardware.max_nodes=2",
     "hardware.pool=ELASTIC",
+    "hardware.autoscaling=true",
     "hardware.wait_for_nodes_s=120",
     "train.global_batch_size=16",
     "train.checkpoint_every=2",
@@ -142,7 +144,9 @@ def test_a_run_shrinks_when_a_node_goes_and_grows_when_one_comes_back(head: RayH
         _wait("the first checkpoints", lambda: _tag_at_least(db, "checkpoint_step", 4), 300, proc)
         _take_a_node(head)
         _wait("a plan for the smaller world", lambda: _tag_at_least(db, "plan_versions", 2), 180, proc)
-        _nodes(head, 2)  # launched while the smaller group starts: it grows at its first checkpoint or later
+        assert head.no_capacity is not None
+        head.no_capacity.unlink()  # the driver's standing request for max_nodes brings a node back
+        _wait("a node back (the test asked for none)", lambda: len(head.worker_nodes()) == 2, 120, proc)
         out, _ = proc.communicate(timeout=420)
     finally:
         if proc.poll() is None:
@@ -190,6 +194,7 @@ def _checkpoint_of(root: Path, run_id: str, step: int, world: int) -> Path:
     ]
     assert len(found) == 1, (step, world, sorted(root.rglob("checkpoint_*")))
     return found[0]
+
 
 def test_a_shrink_below_every_plan_stops_with_the_planners_message(head: RayHead, tmp_path: Path) -> None:
     _nodes(head, 2)

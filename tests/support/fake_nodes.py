@@ -8,6 +8,7 @@ node gets its own folder.
 """
 
 import functools
+import time
 import uuid
 from pathlib import Path
 from unittest import mock
@@ -17,13 +18,15 @@ from ray.autoscaler._private.fake_multi_node.node_provider import FakeMultiNodeP
 
 
 class FakeNodesWithOwnDisks(FakeMultiNodeProvider):
-    """Also a cloud that can run out: while the file the config names `no_capacity_file` exists, no node is
-    launched (as when a spot pool has none to give), so a test decides when a lost node comes back."""
+    """Also a cloud that can run out: while the file the config names `no_capacity_file` exists, a launch
+    waits (as a KubeRay worker pod stays pending until the cluster has room for it), so a test decides
+    when a lost node comes back. The autoscaler launches from a thread pool: a waiting launch holds one
+    of its threads, not the autoscaler."""
 
     def create_node_with_resources_and_labels(self, node_config, tags, count, resources, labels):  # type: ignore[no-untyped-def]
         hold = self.provider_config.get("no_capacity_file")
-        if hold and Path(hold).exists():
-            raise RuntimeError("the fake cloud has no capacity now")
+        while hold and Path(hold).exists():
+            time.sleep(0.5)
         super().create_node_with_resources_and_labels(node_config, tags, count, resources, labels)
 
     def _create_node_with_resources_and_labels(self, node_config, tags, count, resources, labels):  # type: ignore[no-untyped-def]

@@ -14,11 +14,13 @@ batch and the data order stay: the sampler draws each step's batch from (seed, s
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from ray.autoscaler.sdk import request_resources
 
 from osdp_planners import PlanResult
 from osdp_planners.errors import UserError
@@ -49,6 +51,22 @@ def nodes_there(node_resources: list[Mapping[str, float]], hw: HardwareSection) 
 
 def count_nodes(hw: HardwareSection) -> int:
     return nodes_there([n["Resources"] for n in ray.nodes() if n["Alive"]], hw)
+
+
+@contextmanager
+def asking_for_max_nodes(hw: HardwareSection) -> Iterator[None]:
+    """On an autoscaling cluster (hardware.autoscaling), keep the autoscaler asked for max_nodes while the run
+    lasts. A group sized to the nodes there demands nothing more, so without this standing request no node
+    would be launched for an elastic run, nor replace one that went; at the end the request is withdrawn
+    so the autoscaler may take the nodes away."""
+    if not (hw.elastic and hw.autoscaling):
+        yield
+        return
+    request_resources(bundles=[worker_resources(hw)] * (hw.node_counts[-1] * hw.workers_per_node))
+    try:
+        yield
+    finally:
+        request_resources(bundles=[])
 
 
 def should_grow(current: int, there: int) -> bool:

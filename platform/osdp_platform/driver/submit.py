@@ -17,7 +17,7 @@ from osdp_planners import PlanResult
 from osdp_planners.plan import Plan
 from osdp_planners.units import structure_hash
 from osdp_platform.driver.cluster import beside_the_driver, check_cluster, connect, pool_request
-from osdp_platform.driver.elastic import ElasticRun, wait_for_nodes
+from osdp_platform.driver.elastic import ElasticRun, asking_for_max_nodes, wait_for_nodes
 from osdp_platform.driver.pump import MetricsPump
 from osdp_platform.driver.resume import ResumePoint, check_resumable, find_resume_point
 from osdp_platform.driver.system_metrics import NodeSamplers
@@ -227,6 +227,19 @@ def submit(
     check_reachable(recipe.tracking.resolved_uri)
     connect(recipe, address, verbose)
     check_cluster(recipe)
+    with asking_for_max_nodes(recipe.hardware):
+        return _plan_and_train(recipe, console, point, train_fn, planned, tags)
+
+
+def _plan_and_train(
+    recipe: Recipe,
+    console: Console,
+    point: ResumePoint | None,
+    train_fn: Callable[[dict[str, Any]], None],
+    planned: PlanResult | None,
+    tags: Mapping[str, str] | None,
+) -> RunSummary:
+    """Plan for the nodes there (a fixed pool: all of them) and train, on a connected cluster."""
     hw = recipe.hardware
     nodes = wait_for_nodes(hw) if hw.elastic else hw.nodes
     if planned is None or planned.plan.nodes != nodes:  # a sweep's plan is for an elastic pool's largest

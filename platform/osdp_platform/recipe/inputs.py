@@ -212,7 +212,7 @@ class HardwareSection(Section):
     autoscaling: bool = Field(
         default=False,
         description="the cluster's autoscaler adds nodes on demand: wait for "
-        "them instead of stopping when the pool is short",
+        "them instead of stopping when the pool is short (an elastic pool keeps it asked for max_nodes)",
     )
     pool: str = Field(
         default="auto",
