@@ -22,7 +22,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from osdp_planners.local_ranks import cache_file, cached, run_ranks, slowest
+from osdp_planners.disk_cache import cached
+from osdp_planners.local_ranks import run_ranks, slowest
 from osdp_planners.runtime import make_optimizer, mp_policy
 
 LARGE = 4 << 20  # bytes of the bandwidth probes
@@ -164,5 +165,8 @@ def measure_rank(_rank: int, world: int, _args: list[str]) -> dict[str, Any]:
 
 def cached_comm(world_size: int) -> CommProfile:
     """Measured once per host, torch version and world size (what it depends on), then read from disk."""
-    path = cache_file(f"comm-v{VERSION}", f"w{world_size}")
-    return CommProfile(**cached(path, lambda: run_ranks("osdp_planners.comm_probe:measure_rank", world_size, [])))
+
+    def measure() -> dict[str, Any]:
+        return run_ranks("osdp_planners.comm_probe:measure_rank", world_size, [])
+
+    return CommProfile(**cached(f"comm-v{VERSION}", f"w{world_size}", measure))

@@ -1,4 +1,4 @@
-"""Measurements that need the workers' conditions: N gloo processes on this host, and a disk cache.
+"""Measurements that need the workers' conditions: N gloo processes on this host.
 
 A CPU pool's workers are processes that share this host's cores, so one process timed alone runs
 faster than each of them will. Probes therefore run as `world` concurrent single-threaded ranks,
@@ -107,23 +107,3 @@ def slowest(seconds: list[float]) -> list[float]:
     t = torch.tensor(seconds, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
-
-
-def cache_file(kind: str, key: str) -> Path:
-    """Where a measurement of this host and torch version is kept (`key` names what else it depends on)."""
-    root = Path(os.environ.get("OSDP_CACHE_DIR", Path.home() / ".cache" / "osdp-platform"))
-    return root / f"{kind}-{socket.gethostname()}-torch{torch.__version__}-{key}.json"
-
-
-def cached(path: Path, measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """The stored measurement, or a new one. Written to a temp file and renamed into place, so a
-    planner in another process (a sweep, a second submit) never reads half a file."""
-    if path.is_file():
-        stored: dict[str, Any] = json.loads(path.read_text())
-        return stored
-    result = measure()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as tmp:
-        tmp.write(json.dumps(result))
-    os.replace(tmp.name, path)
-    return result

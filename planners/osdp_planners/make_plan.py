@@ -5,6 +5,7 @@ predictions are comparable; whatever fails inside reaches the caller as one User
 """
 
 import hashlib
+import inspect
 import os
 import traceback
 from collections import OrderedDict
@@ -21,10 +22,10 @@ from osdp_planners.block_probe import measure_blocks
 from osdp_planners.choice import Choice
 from osdp_planners.comm_probe import CommProfile, cached_comm
 from osdp_planners.compute_probe import MeasuredTimes, measure_times
+from osdp_planners.disk_cache import PICKLE, cached
 from osdp_planners.errors import UserError, UserErrors
 from osdp_planners.evaluate import Context, evaluate
 from osdp_planners.explanation import PlanResult
-from osdp_planners.local_ranks import cache_file, cached
 from osdp_planners.model_probe import Training, calibrate, measure_on_ranks
 from osdp_planners.options import Option
 from osdp_planners.osdp import search_osdp
@@ -43,18 +44,50 @@ PROFILES_KEPT = 8  # models whose profile a process keeps (each is a few hundred
 _profiles: OrderedDict[tuple[str, str, int, int, torch.dtype], ModelProfile] = OrderedDict()
 
 
-def _profile(build: Builder, req: PlanRequest, structure: str, dtype: torch.dtype) -> ModelProfile:
-    """The model's fake-tensor profile, once per process for a model the request names in full.
+PROFILE_CACHE_VERSION = 1  # of a cached profile's layout (the code's own changes are in the key: _code_hash)
 
-    Profiling runs the model 16 times under fake tensors (seconds for a small model); a driver that
-    plans one model under several planners or budgets (a sweep, the benchmarks, the tests) pays once.
-    The key is the model's whole configuration (`req.model_key`) and its parameter structure.
+
+def _code_hash(model: nn.Module) -> str | None:
+    """The source a profile depends on: the planner's package and the model's own classes, so that a
+    changed profiler or forward (a new zoo block, another transformers release) is profiled again; None
+    where a class has no source file (defined in `python -c`): such a profile is not kept on disk."""
+    files = set(Path(__file__).parent.glob("*.py"))
+    for module in model.modules():
+        try:
+            files.add(Path(inspect.getfile(type(module))))
+        except TypeError:
+            return None
+    digest = hashlib.sha256()
+    for f in sorted(files):
+        if not f.is_file():
+            return None
+        digest.update(f.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _profile(build: Builder, req: PlanRequest, structure: str, dtype: torch.dtype) -> ModelProfile:
+    """The model's fake-tensor profile, once per process and once per host for a model the request names
+    in full (`req.model_key`: its whole configuration).
+
+    Profiling runs the model 16 times under fake tensors (seconds for a small model); every submit plans
+    in a fresh process (the planner actor), and a sweep, a restart or a re-plan asks for the same model
+    again, so the profile is kept in memory and on disk, keyed by the model, its parameter structure,
+    the shapes and the source it was profiled with.
     """
     if req.model_key is None:
         return profile_model(build, req.seq_len, req.token_range, dtype)
     key = (req.model_key, structure, req.seq_len, req.token_range, dtype)
     if key not in _profiles:
-        _profiles[key] = profile_model(build, req.seq_len, req.token_range, dtype)
+        code = _code_hash(build("meta"))
+
+        def fresh() -> ModelProfile:
+            return profile_model(build, req.seq_len, req.token_range, dtype)
+
+        if code is None:
+            _profiles[key] = fresh()
+        else:
+            disk_key = hashlib.sha256(f"{key}|{code}".encode()).hexdigest()[:16]
+            _profiles[key] = cached(f"profile-v{PROFILE_CACHE_VERSION}", disk_key, fresh, PICKLE)
         while len(_profiles) > PROFILES_KEPT:
             _profiles.popitem(last=False)
     _profiles.move_to_end(key)
@@ -105,7 +138,7 @@ def _time_on_device(
             )
         return times.to_dict()
 
-    return MeasuredTimes.from_dict(cached(cache_file(f"device-v{DEVICE_CACHE_VERSION}", key), measure))
+    return MeasuredTimes.from_dict(cached(f"device-v{DEVICE_CACHE_VERSION}", key, measure))
 
 
 def build_context(build: Builder, req: PlanRequest, measure_on: str | None) -> Context:

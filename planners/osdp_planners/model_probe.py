@@ -30,7 +30,8 @@ from osdp_planners.compute_probe import (
     measure_totals,
     share_by_flops,
 )
-from osdp_planners.local_ranks import cache_file, cached, run_ranks, slowest
+from osdp_planners.disk_cache import cached
+from osdp_planners.local_ranks import run_ranks, slowest
 from osdp_planners.options import Option
 from osdp_planners.plan import Strategy
 from osdp_planners.profile import ModelProfile
@@ -109,7 +110,8 @@ def measure_on_ranks(
         cloudpickle.dump((build, seq_len, vocab_size, train), f)
         f.flush()
         result = cached(
-            cache_file(f"model-v{VERSION}", f"{key}-r{ranks}"),
+            f"model-v{VERSION}",
+            f"{key}-r{ranks}",
             lambda: run_ranks("osdp_planners.model_probe:measure_rank", ranks, [f.name]),
         )
     overheads = ModelOverheads(**result["overheads"]) if result["overheads"] else None
