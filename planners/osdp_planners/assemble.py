@@ -49,10 +49,7 @@ def to_plan(model: nn.Module, req: PlanRequest, ctx: Context, choice: Choice, ba
         UnitPlan(
             name=u.name,
             modules=list(u.modules),
-            strategy=choice.options[u.name].strategy,
-            shard_group_size=choice.options[u.name].shard_group_size,
-            split=choice.options[u.name].split,
-            checkpoint=choice.options[u.name].checkpoint,
+            **choice.options[u.name].unit_fields(),
             param_count=u.param_count,
             predicted_memory_bytes=int(ev.unit_resident[u.name]),
             predicted_time_s=ev.unit_seconds[u.name].total_s,

@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from osdp_planners.options import Option
+from osdp_planners.options import Option, Variant
 from osdp_planners.plan import Strategy
-from osdp_planners.profile import ModelProfile, ModuleProfile, Variant
+from osdp_planners.profile import ModelProfile, ModuleProfile
 from osdp_planners.step_layout import Layout, layout_of, slot_range
 
 ADAM_STATES = 2  # exp_avg, exp_avg_sq: fp32, sharded like the parameters
@@ -46,7 +46,8 @@ CPU_OPTIMIZER_TEMPS = 2  # the per-parameter AdamW loop allocates about two para
 
 
 def variant_of(profile: ModelProfile, unit: str, opt: Option) -> Variant:
-    """The profiled variant an option runs its unit's modules as."""
+    """The profiled variant an option runs its unit's modules as: a unit without Linears has no split,
+    and one without modules of its own (the root's parameters) nothing to recompute."""
     split = opt.split if profile.linears.get(unit) else 1
     return Variant(split, opt.checkpoint and unit in profile.by_unit)
 

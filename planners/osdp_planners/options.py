@@ -1,6 +1,13 @@
-"""What one unit can be: strategy x shard-group size x operator split x activation checkpointing."""
+"""What one unit can be: strategy x shard-group size x operator split x activation checkpointing.
 
-from dataclasses import dataclass
+One concept, three views: a `Variant` is how a unit's modules run (what the profiler measures
+activations under), an `Option` is the planner's choice for a unit (a variant placed by a strategy
+over a shard group), and the plan document's `UnitPlan` is an option with the unit's name, modules
+and predictions. The plan is assembled from options field by field and read back with `Option.of`.
+"""
+
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from osdp_planners.plan import Strategy, UnitPlan
 
@@ -8,7 +15,17 @@ SPLITS = (1, 2, 4, 8)
 
 
 @dataclass(frozen=True)
+class Variant:
+    """How a unit's modules run: Linears split `split` ways, activations checkpointed or not."""
+
+    split: int = 1
+    checkpoint: bool = False
+
+
+@dataclass(frozen=True)
 class Option:
+    """The planner's view of a UnitPlan: the choices, without the unit's name, modules or predictions."""
+
     strategy: Strategy
     shard_group_size: int  # ranks a parameter is sharded over (1 for ddp)
     split: int = 1
@@ -22,6 +39,10 @@ class Option:
     @classmethod
     def of(cls, unit: UnitPlan) -> "Option":
         return cls(unit.strategy, unit.shard_group_size, unit.split, unit.checkpoint)
+
+    def unit_fields(self) -> dict[str, Any]:
+        """The UnitPlan fields this option sets."""
+        return asdict(self)
 
 
 def runtime_preference(opt: Option) -> tuple[int, int, bool]:

@@ -23,7 +23,7 @@ import difflib
 from dataclasses import dataclass
 from functools import cached_property
 
-from osdp_planners.options import SPLITS
+from osdp_planners.options import SPLITS, Variant
 from osdp_planners.trace import ROOT
 from osdp_planners.units import Unit
 
@@ -97,14 +97,6 @@ def _aligned(first: tuple[list[float], list[str]], second: tuple[list[float], li
     if left1 or left2:
         pairs.append((max(left1, default=max(v1)), max(left2, default=max(v2))))
     return pairs
-
-
-@dataclass(frozen=True)
-class Variant:
-    """How a unit's modules run: Linears split `split` ways, activations checkpointed or not."""
-
-    split: int = 1
-    checkpoint: bool = False
 
 
 PLAIN = Variant()

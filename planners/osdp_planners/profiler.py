@@ -13,6 +13,7 @@ from torch import nn
 
 from osdp_planners.fake_build import build_fake
 from osdp_planners.loss import lm_loss, logits_of
+from osdp_planners.options import Variant
 from osdp_planners.profile import (
     PLAIN,
     PROFILE_BATCHES,
@@ -23,7 +24,6 @@ from osdp_planners.profile import (
     ModelProfile,
     ModuleProfile,
     Peak,
-    Variant,
 )
 from osdp_planners.recorder import Recorder
 from osdp_planners.split import SplitLinear, linear_at, split_linear_in

@@ -88,7 +88,7 @@ class Baselines:
 def unit_plans(units: list[Unit], strategy: Strategy, req: PlanRequest) -> list[UnitPlan]:
     g = group_size(strategy, req)
     return [
-        UnitPlan(name=u.name, modules=list(u.modules), strategy=strategy, shard_group_size=g, param_count=u.param_count)
+        UnitPlan(name=u.name, modules=list(u.modules), **Option(strategy, g).unit_fields(), param_count=u.param_count)
         for u in units
     ]
 
