@@ -10,8 +10,7 @@ import ray
 from mlflow.tracking import MlflowClient
 
 from osdp_platform.driver.pump import MetricsPump
-from osdp_platform.runtime.checkpoint import CheckpointSaved
-from osdp_platform.runtime.inbox import MetricsInbox, MetricsSender, NodeSample, StepReport
+from osdp_platform.runtime.inbox import CheckpointSaved, MetricsInbox, MetricsSender, NodeSample, StepReport
 from osdp_platform.tracking.keys import Tag
 from osdp_platform.tracking.runs import RunTracker
 

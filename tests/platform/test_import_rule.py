@@ -23,3 +23,10 @@ def test_the_report_draws_the_explanation_without_the_cost_model() -> None:
     code = f"import sys, osdp_platform.tracking.report\nprint(sorted(m for m in sys.modules if m in {COST_MODEL!r}))\n"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
     assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_the_side_actors_start_without_torch() -> None:
+    """The inbox and the node samplers are processes of every run: importing torch would cost each seconds."""
+    code = "import sys, osdp_platform.runtime.inbox, osdp_platform.driver.system_metrics\nprint('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    assert done.stdout.strip() == "False", done.stdout

@@ -10,8 +10,7 @@ from typing import Any
 
 import ray
 
-from osdp_platform.runtime.checkpoint import CheckpointSaved
-from osdp_platform.runtime.inbox import NodeSample, WorkersStarted
+from osdp_platform.runtime.inbox import CheckpointSaved, NodeSample, WorkersStarted
 from osdp_platform.tracking.keys import system_metric
 from osdp_platform.tracking.runs import RunTracker
 

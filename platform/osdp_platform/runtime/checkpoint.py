@@ -21,7 +21,6 @@ model.
 """
 
 import tempfile
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,14 +36,6 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from osdp_planners.split import SplitLinear
-
-
-@dataclass(frozen=True)
-class CheckpointSaved:
-    """Rank 0 -> driver: every rank's files for a checkpoint are in storage at `path`."""
-
-    step: int  # the step training continues at
-    path: str
 
 
 def should_save(step: int, every: int, steps: int) -> bool:

@@ -7,14 +7,14 @@ writes MLflow: a worker imports this module, never that one). A step's metrics l
 ends, stamped with that time, so a later failure of any worker does not lose them and MLflow shows when each
 step ran. The inbox outlives the workers, so it also keeps the newest stored checkpoint for a restart after
 a failure (see checkpoint.py), and tells an elastic run's workers when the driver wants the group resized.
+The inbox and the node samplers are actors of their own: this module imports no torch, so they start in a
+second, not in the five that torch and its checkpoint package take to import.
 """
 
 from dataclasses import dataclass
 from typing import Any
 
 import ray
-
-from osdp_platform.runtime.checkpoint import CheckpointSaved
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,14 @@ class NodeSample:
     index: int
     time_ms: int
     metrics: dict[str, float]
+
+
+@dataclass(frozen=True)
+class CheckpointSaved:
+    """Rank 0 -> driver: every rank's files for a checkpoint are in storage at `path`."""
+
+    step: int  # the step training continues at
+    path: str
 
 
 @dataclass(frozen=True)

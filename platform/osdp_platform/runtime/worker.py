@@ -21,8 +21,8 @@ from osdp_planners.local_ranks import pin_to_core
 from osdp_planners.mfu import mfu, model_shape
 from osdp_planners.plan import Plan
 from osdp_platform.recipe.schema import Recipe
-from osdp_platform.runtime.checkpoint import CheckpointSaved, restore, save_and_report, should_save
-from osdp_platform.runtime.inbox import MetricsSender, StepReport, WorkersStarted
+from osdp_platform.runtime.checkpoint import restore, save_and_report, should_save
+from osdp_platform.runtime.inbox import CheckpointSaved, MetricsSender, StepReport, WorkersStarted
 from osdp_platform.runtime.memory import measure_step_peak, reserved_peak
 from osdp_platform.runtime.state import build_worker_state
 
