@@ -1,13 +1,15 @@
 """An elastic run on a cluster of Ray's fake multi-node provider: nodes go and come, the run re-plans and goes on.
 
 The head (no CPUs) has one node type, one worker each, advertising the pool `ELASTIC`; the test asks
-the autoscaler for the first nodes (request_resources, from a subprocess: this process keeps away from the
-head) and takes one away by killing its raylet, as a pre-empted spot node goes, with the fake cloud out of
-capacity; when capacity is back, the node that comes is the one the driver asks for (max_nodes). The driver is the
+the autoscaler for nodes (request_resources, from a subprocess: this process keeps away from the head)
+and takes one away by killing its raylet, as a pre-empted spot node goes, with the fake cloud out of
+capacity until the test asks again. On a pool with `hardware.autoscaling`, the nodes a run trains on
+are those the driver asks for (max_nodes): the test asks for none. The driver is the
 `osdp-platform` CLI in a subprocess, joined to the head's GCS as a user's driver on the cluster would be.
 """
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,7 +42,6 @@ ELASTIC = [
     "hardware.min_nodes=1",
     "hardware.max_nodes=2",
     "hardware.pool=ELASTIC",
-    "hardware.autoscaling=true",
     "hardware.wait_for_nodes_s=120",
     "train.global_batch_size=16",
     "train.checkpoint_every=2",
@@ -53,7 +54,9 @@ def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayHead]:
     head = start_head(tmp_path_factory.mktemp("head"), num_cpus=0, node_types=NODE_TYPES, idle_timeout_s=600)
     try:
         yield head
-    finally:
+    finally:  # the autoscaler's logs outlive the head, with pytest's temp folders, for a failure to be read
+        logs = head.temp_dir / "session_latest" / "logs"
+        shutil.copytree(logs, tmp_path_factory.mktemp("head-logs"), dirs_exist_ok=True)
         head.stop()
     assert not head.processes(), "processes of the test cluster outlived it"
 
@@ -86,16 +89,15 @@ def _nodes(head: RayHead, count: int, timeout_s: float = 180) -> None:
     _ask_for_nodes(head, 0)  # keep what is there, but replace nothing the test takes away
 
 
-def _take_a_node(head: RayHead) -> str:
-    """Stop one worker node's raylet, as a pre-empted spot node goes (SIGTERM: the notice it gets), with its
-    workers; the fake cloud has no capacity until the test says so, so no node replaces it meanwhile."""
+def _take_nodes(head: RayHead, count: int = 1) -> None:
+    """Stop worker nodes' raylets, as pre-empted spot nodes go (SIGTERM: the notice they get), with their
+    workers; the fake cloud has no capacity until the test says so, so no node replaces them meanwhile."""
     assert head.no_capacity is not None
     head.no_capacity.touch()
-    node = head.worker_nodes()[0]["id"]
-    raylets = [p for p in head.processes() if p.name() == "raylet" and f"--node_id={node}" in " ".join(p.cmdline())]
-    assert len(raylets) == 1, raylets
-    os.kill(raylets[0].pid, signal.SIGTERM)
-    return node
+    for node in [n["id"] for n in head.worker_nodes()[:count]]:
+        raylets = [p for p in head.processes() if p.name() == "raylet" and f"--node_id={node}" in " ".join(p.cmdline())]
+        assert len(raylets) == 1, raylets
+        os.kill(raylets[0].pid, signal.SIGTERM)
 
 
 def _submit(head: RayHead, tmp: Path, *overrides: str) -> subprocess.Popen[str]:
@@ -142,11 +144,9 @@ def test_a_run_shrinks_when_a_node_goes_and_grows_when_one_comes_back(head: RayH
     proc = _submit(head, tmp_path, *args)
     try:
         _wait("the first checkpoints", lambda: _tag_at_least(db, "checkpoint_step", 4), 300, proc)
-        _take_a_node(head)
+        _take_nodes(head)
         _wait("a plan for the smaller world", lambda: _tag_at_least(db, "plan_versions", 2), 180, proc)
-        assert head.no_capacity is not None
-        head.no_capacity.unlink()  # the driver's standing request for max_nodes brings a node back
-        _wait("a node back (the test asked for none)", lambda: len(head.worker_nodes()) == 2, 120, proc)
+        _nodes(head, 2)  # launched while the smaller group starts: it grows at its first checkpoint or later
         out, _ = proc.communicate(timeout=420)
     finally:
         if proc.poll() is None:
@@ -204,7 +204,7 @@ def test_a_shrink_below_every_plan_stops_with_the_planners_message(head: RayHead
     proc = _submit(head, tmp_path, *args, f"train.checkpoint_dir={tmp_path / 'ckpt'}")
     try:
         _wait("the first checkpoints", lambda: _tag_at_least(db, "checkpoint_step", 2), 300, proc)
-        _take_a_node(head)
+        _take_nodes(head)
         out, _ = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
@@ -223,3 +223,22 @@ def _running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_an_autoscaling_pool_is_asked_for_its_nodes_by_the_driver(head: RayHead, tmp_path: Path) -> None:
+    """With no node there and none asked for by anyone else, the run trains only if its driver's standing
+    request for max_nodes launches them (without it: wait_for_nodes_s, then exit 2)."""
+    _take_nodes(head, len(head.worker_nodes()))
+    _wait("no worker node left", lambda: not head.worker_nodes(), 120)
+    assert head.no_capacity is not None
+    head.no_capacity.unlink()
+    db = tmp_path / "mlflow.db"
+    args = [f"tracking.uri=sqlite:///{db}", "hardware.autoscaling=true", "train.steps=4"]
+    proc = _submit(head, tmp_path, *args)
+    try:
+        out, _ = proc.communicate(timeout=420)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-5000:]
+    assert int(_tags(db)["world_size"]) >= 1 and head.worker_nodes()
