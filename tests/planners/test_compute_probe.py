@@ -13,8 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from helpers import REPO, builder, context, zoo_request
-from osdp_planners import make_plan_for
+from helpers import REPO, builder, context, plan_zoo, zoo_request
 from osdp_planners.block_probe import CHAIN, _capture, _fsdp_added, _fsdp_probed, measure_blocks
 from osdp_planners.compute_probe import TIMING_BATCHES, MeasuredTimes, compute_copy, measure_totals
 from osdp_planners.fsdp_probe import Chain, added_costs, measure_fsdp_costs, per_byte, shard_chain
@@ -206,6 +205,6 @@ def test_a_plan_made_offline_says_its_times_come_from_the_preset() -> None:
     """No device to time on: the plan and the `plan` command's summary name the preset and its sustained rate."""
     req = zoo_request("llama", 4, precision="bf16-mixed", seq_len=32)
     req = dataclasses.replace(req, device=get_preset("h100-80gb"), planner="zero3")
-    result = make_plan_for(builder("llama", 2), req, measure_on=None)
+    result = plan_zoo(builder("llama", 2), req, measure_on=None)
     assert result.plan.predicted.times_from == "preset h100-80gb: FLOPs at 395.6 TFLOP/s sustained"
     assert "times from the preset h100-80gb" in comparison(result)

@@ -15,9 +15,8 @@ from functools import cache
 
 import numpy as np
 import pytest
-import torch
 
-from helpers import zoo_request
+from helpers import builder, zoo_request
 from osdp_planners import advice, batch_search, build_context, osdp, space
 from osdp_planners.dominance import undominated
 from osdp_planners.evaluate import Bound, Context, evaluate, unit_seconds
@@ -25,18 +24,15 @@ from osdp_planners.hardware import GIB
 from osdp_planners.milp import least_peak
 from osdp_planners.options import Option
 from osdp_planners.plan import Strategy
-from osdp_platform.zoo import build_zoo_model
 
 BATCH = 8
 
 
 @cache
 def context(family: str, n_layers: int, workers: int, seq_len: int) -> Context:
-    def build(device: str) -> torch.nn.Module:
-        with torch.device(device):
-            return build_zoo_model(family, "tiny", n_layers=n_layers)
-
-    return build_context(build, zoo_request(family, workers, seq_len=seq_len, micro_batch=BATCH), None)
+    build = builder(family, n_layers)
+    req = zoo_request(family, workers, seq_len=seq_len, micro_batch=BATCH)
+    return build_context(build, build.named_in(req), None)
 
 
 @dataclasses.dataclass(frozen=True)

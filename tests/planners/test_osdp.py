@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import builder, context, zoo_request
-from osdp_planners import advice, make_plan_for, osdp, uniform
+from helpers import builder, context, plan_zoo, zoo_request
+from osdp_planners import advice, osdp, uniform
 from osdp_planners.choice import Choice
 from osdp_planners.errors import NoPlanFits, UserError
 from osdp_planners.evaluate import Context, Evaluation
@@ -333,7 +333,7 @@ def test_infeasible_limit_names_the_smallest_footprint_and_the_threshold_holds(
     assert need <= smallest_need(ctx, 4)  # never more than the plainest smallest plans need
     build = builder(family, 2, vocab, dim)
     with pytest.raises(UserError) as err:
-        make_plan_for(build, zoo_request(family, limit=math.floor(need) - 1))
+        plan_zoo(build, zoo_request(family, limit=math.floor(need) - 1))
     assert err.value.field == "planner.memory_limit_gb"
     named, rounding = gib_after(err.value.problem, "smallest footprint")
     assert abs(named - need / GIB) <= rounding * (1 + 1e-9), (named, need / GIB)
@@ -341,7 +341,7 @@ def test_infeasible_limit_names_the_smallest_footprint_and_the_threshold_holds(
     advised, _ = gib_after(err.value.fix, "at least")
     assert advised * GIB >= need, f"the fix asks for {advised} GiB, but the smallest footprint is {need / GIB} GiB"
     # at exactly the smallest footprint a plan exists (the simulated fallback), and it fits
-    plan = make_plan_for(build, zoo_request(family, limit=math.ceil(need))).plan
+    plan = plan_zoo(build, zoo_request(family, limit=math.ceil(need))).plan
     assert plan.predicted.peak_memory_bytes <= math.ceil(need)
 
 
@@ -353,7 +353,7 @@ def test_planned_peak_fits_the_limit(family: str, factor: float, global_batch: i
     ctx = context(family)
     need = advice.smallest_footprint(ctx, zoo_request(family)).evaluation.peak_bytes
     limit = int(factor * need)
-    result = make_plan_for(builder(family, 2), zoo_request(family, limit=limit, global_batch=global_batch))
+    result = plan_zoo(builder(family, 2), zoo_request(family, limit=limit, global_batch=global_batch))
     plan = result.plan
     assert plan.predicted.peak_memory_bytes is not None
     assert plan.predicted.peak_memory_bytes <= limit
@@ -397,7 +397,7 @@ def test_a_harder_plan_must_be_predicted_clearly_faster() -> None:
 def test_osdp_never_trails_a_fitting_uniform_plan_by_more_than_the_resolution(factor: float) -> None:
     ctx = context("llama")
     need = advice.smallest_footprint(ctx, zoo_request("llama")).evaluation.peak_bytes
-    plan = make_plan_for(builder("llama", 2), zoo_request("llama", limit=int(factor * need))).plan
+    plan = plan_zoo(builder("llama", 2), zoo_request("llama", limit=int(factor * need))).plan
     got = plan.predicted.throughput_samples_per_s
     assert got is not None
     for name, b in plan.baselines.items():
@@ -413,17 +413,15 @@ def test_a_uniform_planners_advised_minimum_plans_under_that_planner(planner: st
     build = builder("gpt2", 2)
     req = dataclasses.replace(zoo_request("gpt2", limit=1 << 16), planner=planner)
     with pytest.raises(NoPlanFits) as err:
-        make_plan_for(build, req)
+        plan_zoo(build, req)
     advised = err.value.advised_gb
     assert f"at least {advised:.4f} GiB" in err.value.fix
-    plan = make_plan_for(build, dataclasses.replace(req, memory_limit_bytes=math.ceil(advised * GIB))).plan
+    plan = plan_zoo(build, dataclasses.replace(req, memory_limit_bytes=math.ceil(advised * GIB))).plan
     assert plan.planner == planner and {u.strategy.value for u in plan.units} == {planner}
     assert plan.predicted.peak_memory_bytes <= advised * GIB
     mixed, _ = gib_after(err.value.fix, "fits from")
     assert mixed <= advised
-    assert make_plan_for(
-        build, dataclasses.replace(req, planner="osdp", memory_limit_bytes=math.ceil(mixed * GIB))
-    ).plan
+    assert plan_zoo(build, dataclasses.replace(req, planner="osdp", memory_limit_bytes=math.ceil(mixed * GIB))).plan
 
 
 @pytest.mark.parametrize("factor", [1.3, 40.0])
@@ -431,8 +429,8 @@ def test_every_plan_records_the_fastest_found_and_what_the_near_tie_rule_cost(fa
     ctx = context("llama")
     need = advice.smallest_footprint(ctx, zoo_request("llama")).evaluation.peak_bytes
     req = zoo_request("llama", limit=int(factor * need))
-    simple = make_plan_for(builder("llama", 2), req).plan
-    fastest = make_plan_for(builder("llama", 2), dataclasses.replace(req, prefer_simpler=False)).plan
+    simple = plan_zoo(builder("llama", 2), req).plan
+    fastest = plan_zoo(builder("llama", 2), dataclasses.replace(req, prefer_simpler=False)).plan
     assert simple.search is not None and fastest.search is not None
     best = fastest.predicted.throughput_samples_per_s
     assert best is not None and simple.predicted.throughput_samples_per_s is not None
@@ -462,9 +460,9 @@ def test_each_uniform_baseline_is_found_once_per_plan(
     req = dataclasses.replace(zoo_request("llama"), planner=planner)
     if planner == "manual":
         path = tmp_path / "plan.json"
-        path.write_text(make_plan_for(builder("llama", 2), zoo_request("llama")).plan.to_json())
+        path.write_text(plan_zoo(builder("llama", 2), zoo_request("llama")).plan.to_json())
         req = dataclasses.replace(req, plan_file=str(path))
     monkeypatch.setattr(uniform, "best_uniform", counted)
-    plan = make_plan_for(builder("llama", 2), req).plan
+    plan = plan_zoo(builder("llama", 2), req).plan
     assert calls == {s: 1 for s in Strategy}
     assert set(plan.baselines) == {s.value for s in Strategy}

@@ -1,13 +1,13 @@
 """Paths, tiny zoo planning requests and a real MLflow server shared by the tests (tests/support is on
 sys.path, pytest's `pythonpath`; the repo root deliberately is not)."""
 
+import dataclasses
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -15,7 +15,7 @@ from pathlib import Path
 import requests
 import torch
 
-from osdp_planners import PlanRequest, build_context
+from osdp_planners import PlanRequest, PlanResult, build_context, make_plan_for
 from osdp_planners.evaluate import Context
 from osdp_planners.hardware import GIB, get_preset
 from osdp_platform.zoo import build_zoo_model
@@ -123,16 +123,36 @@ def zoo_request(
     )
 
 
-def builder(
-    family: str, n_layers: int, vocab_size: int | None = None, dim: int | None = None
-) -> Callable[[str], torch.nn.Module]:
-    """A tiny zoo model's constructor on any device, as make_plan_for takes it."""
+@dataclass(frozen=True)
+class ZooModel:
+    """A tiny zoo model's constructor on any device, as make_plan_for takes it, with the key that names
+    it whole: planned through `plan_zoo` its profile is reused, in this process and on disk, as a
+    recipe's model's is (profiling one takes seconds, and the planner tests plan the same few dozens of times)."""
 
-    def build(device: str) -> torch.nn.Module:
+    family: str
+    n_layers: int
+    vocab_size: int | None = None
+    dim: int | None = None
+
+    def __call__(self, device: str) -> torch.nn.Module:
         with torch.device(device):
-            return build_zoo_model(family, "tiny", n_layers=n_layers, vocab_size=vocab_size, dim=dim)
+            return build_zoo_model(
+                self.family, "tiny", n_layers=self.n_layers, vocab_size=self.vocab_size, dim=self.dim
+            )
 
-    return build
+    def named_in(self, req: PlanRequest) -> PlanRequest:
+        """`req` naming this model whole (`model_key`), as a recipe's request names its model."""
+        key = f"zoo:{self.family}:tiny:layers={self.n_layers}:vocab={self.vocab_size}:dim={self.dim}"
+        return dataclasses.replace(req, model_key=key)
+
+
+def builder(family: str, n_layers: int, vocab_size: int | None = None, dim: int | None = None) -> ZooModel:
+    return ZooModel(family, n_layers, vocab_size, dim)
+
+
+def plan_zoo(build: ZooModel, req: PlanRequest, measure_on: str | None = None) -> PlanResult:
+    """`make_plan_for` on a zoo model, with the request naming that model."""
+    return make_plan_for(build, build.named_in(req), measure_on)
 
 
 @cache
@@ -146,5 +166,6 @@ def context(
     dim: int | None = None,
     seq_len: int = 32,
 ) -> Context:
+    build = builder(family, n_layers, vocab_size, dim)
     req = zoo_request(family, workers, precision=precision, optimizer=optimizer, seq_len=seq_len)
-    return build_context(builder(family, n_layers, vocab_size, dim), req, None)
+    return build_context(build, build.named_in(req), None)

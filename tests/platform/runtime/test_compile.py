@@ -7,8 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from helpers import builder, zoo_request
-from osdp_planners import make_plan_for
+from helpers import builder, plan_zoo, zoo_request
 from osdp_planners.plan import Plan
 from osdp_planners.torch_private import register_fake_backend
 from osdp_platform.recipe.loader import load_recipe
@@ -21,7 +20,7 @@ SEQ = 32
 
 def _plan(planner: str, workers: int) -> Plan:
     req = dataclasses.replace(zoo_request("llama", workers, seq_len=SEQ, micro_batch=2), planner=planner, compile=True)
-    return make_plan_for(BUILD, req).plan
+    return plan_zoo(BUILD, req).plan
 
 
 def _compiled(model: nn.Module, plan: Plan) -> list[str]:
