@@ -11,7 +11,7 @@ from helpers import TEST_PATH, MlflowServer
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Heavy modules first: `make test` hands whole files to two xdist workers as they free up, and a
+    """Heavy modules first: `make test` hands whole files to its xdist workers as they free up, and a
     long file handed out last would leave the other worker idle at the end."""
     items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
 
