@@ -32,6 +32,10 @@ from osdp_platform.tracking.report import log_report
 from osdp_platform.tracking.runs import Metric, RunKind, RunTracker, check_reachable
 
 RANK_PEAK_PREFIX = "peak_memory_bytes/rank"  # the worker's per-rank peaks (worker.StepMetrics)
+# Ray Train starts an actor per worker group that polls for draining nodes, for a loop that reads
+# ray.train.get_preemption_info; train_loop never does (an elastic run's driver counts the nodes itself),
+# so it would cost a process (about 1.5 s of CPU) on every submit for nothing. A user's own value wins.
+RAY_TRAIN_PREEMPTION_WATCHER = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 
 
 @dataclass
@@ -174,6 +178,7 @@ def _trainer(
     name: str,
 ) -> TorchTrainer:
     """One worker group of `plan.world_size` workers (an elastic run starts one per world size it has)."""
+    os.environ.setdefault(RAY_TRAIN_PREEMPTION_WATCHER, "0")  # read from the driver's environment by Ray Train
     return TorchTrainer(
         train_fn,
         train_loop_config=dict(
