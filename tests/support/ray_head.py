@@ -148,7 +148,8 @@ class RayHead:
         return mine
 
     def stop(self) -> None:
-        """SIGTERM to `ray start --block` (it tears its processes down), then SIGKILL whatever is left."""
+        """SIGTERM to `ray start --block` (it tears its own processes down), then to what it leaves (the
+        fake nodes' raylets, which the autoscaler started), then SIGKILL whatever is left."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -156,6 +157,9 @@ class RayHead:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        for proc in self.processes():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.terminate()
         deadline = time.monotonic() + STOP_TIMEOUT_S
         while (left := self.processes()) and time.monotonic() < deadline:
             time.sleep(1)
