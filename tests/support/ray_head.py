@@ -35,6 +35,7 @@ VENV_BIN = str(Path(sys.executable).parent)
 # The fake provider's head id: the autoscaler knows the head by it (autoscaler v2).
 FAKE_HEAD_NODE_ID = "f" * 51 + "00000"
 STOP_TIMEOUT_S = 30
+LEFTOVER_GRACE_S = 3  # for the fake nodes' processes to go on SIGTERM once the head is down
 
 
 def client_env() -> dict[str, str]:
@@ -149,7 +150,8 @@ class RayHead:
 
     def stop(self) -> None:
         """SIGTERM to `ray start --block` (it tears its own processes down), then to what it leaves (the
-        fake nodes' raylets, which the autoscaler started), then SIGKILL whatever is left."""
+        fake nodes, which the autoscaler started), then SIGKILL: a raylet whose GCS is gone ignored SIGTERM
+        for the whole 30 s the test waited."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -160,12 +162,13 @@ class RayHead:
         for proc in self.processes():
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.terminate()
-        deadline = time.monotonic() + STOP_TIMEOUT_S
+        deadline = time.monotonic() + LEFTOVER_GRACE_S
         while (left := self.processes()) and time.monotonic() < deadline:
-            time.sleep(1)
+            time.sleep(0.5)
         for proc in left:
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.kill()
+        psutil.wait_procs(left, timeout=STOP_TIMEOUT_S)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
