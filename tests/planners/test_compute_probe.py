@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from helpers import REPO, builder, context, plan_zoo, zoo_request
+from helpers import REPO, ZooModel, context, plan_zoo, zoo_request
 from osdp_planners.block_probe import CHAIN, _capture, _fsdp_added, _fsdp_probed, measure_blocks
 from osdp_planners.compute_probe import TIMING_BATCHES, MeasuredTimes, compute_copy, measure_totals
 from osdp_planners.fsdp_probe import Chain, added_costs, measure_fsdp_costs, per_byte, shard_chain
@@ -115,7 +115,7 @@ def test_fsdp2_copies_are_charged_per_byte_on_the_compute_stream() -> None:
 
 def test_fsdp2_costs_are_measured_for_a_rank_under_the_fake_group() -> None:
     """On CPU FSDP2's hooks cost far more than its copies; the probe runs and finds every strategy adds time."""
-    build = builder("llama", 2)
+    build = ZooModel("llama", 2)
     costs = measure_fsdp_costs(build, 32, 256, torch.device("cpu"), 4, "bf16-mixed", plain_s=0.0)
     assert set(costs) == {"ddp", "zero2", "zero3"}
     assert all(c > 0 for c in costs.values())
@@ -149,7 +149,7 @@ def test_fsdp2_costs_of_a_chain_of_blocks_are_charged_per_byte_of_its_global_siz
 def test_the_block_probe_measures_fsdp2_on_a_chain_of_a_decoders_largest_repeated_block() -> None:
     """The MLP is the largest block that repeats (the embedding and head are larger but one of a kind):
     FSDP2's cost is measured on CHAIN copies of it, each one unit, against the same copies unsharded."""
-    meta = builder("llama", 3)("meta")
+    meta = ZooModel("llama", 3)("meta")
     paths = [p for u in find_units(meta, 32) if u.name != ROOT for p in u.modules]
     sizes = {p: sum(q.numel() for q in meta.get_submodule(p).parameters()) for p in paths}
     probed = _fsdp_probed(paths, sizes)
@@ -175,7 +175,7 @@ def test_block_by_block_timing_adds_up_to_the_whole_model() -> None:
     mistake (a block counted once, not per layer) is off by the layer count, while a loaded 2-core
     machine ran the two sides of every pair 13-24% apart (seen in a full suite run), so 10% failed
     there although quiet runs meet it."""
-    build, seq, vocab = builder("llama", 3, 512, 256), 128, 512
+    build, seq, vocab = ZooModel("llama", 3, 512, 256), 128, 512
     ratios: list[float] = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as a pool's worker runs; two threads on a shared machine are the noisier
@@ -205,6 +205,6 @@ def test_a_plan_made_offline_says_its_times_come_from_the_preset() -> None:
     """No device to time on: the plan and the `plan` command's summary name the preset and its sustained rate."""
     req = zoo_request("llama", 4, precision="bf16-mixed", seq_len=32)
     req = dataclasses.replace(req, device=get_preset("h100-80gb"), planner="zero3")
-    result = plan_zoo(builder("llama", 2), req, measure_on=None)
+    result = plan_zoo(ZooModel("llama", 2), req, measure_on=None)
     assert result.plan.predicted.times_from == "preset h100-80gb: FLOPs at 395.6 TFLOP/s sustained"
     assert "times from the preset h100-80gb" in comparison(result)

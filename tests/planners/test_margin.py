@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from helpers import builder, plan_zoo, zoo_request
+from helpers import ZooModel, plan_zoo, zoo_request
 from osdp_planners.hardware import GIB, get_preset
 from osdp_planners.margin import MemoryMargin
 from osdp_planners.plan import Plan
@@ -32,13 +32,13 @@ def test_a_gpu_plan_records_its_reserved_peak_within_the_budget() -> None:
         device=get_preset("h100-80gb"),
         margin=MemoryMargin(fraction=0.05, reserve_bytes=GIB // 64, allocator_overhead=0.25),
     )
-    plan = plan_zoo(builder("llama", 2), gpu, measure_on=None).plan
+    plan = plan_zoo(ZooModel("llama", 2), gpu, measure_on=None).plan
     allocated, reserved = plan.predicted.peak_memory_bytes, plan.predicted.reserved_memory_bytes
     assert allocated is not None and reserved is not None
     assert reserved == pytest.approx(1.25 * allocated, abs=1)
     assert reserved + GIB // 64 <= 0.95 * GIB // 8
     assert plan.memory_margin is not None and plan.memory_margin.allocator_overhead == 0.25
-    on_cpu = plan_zoo(builder("llama", 2), req, measure_on=None).plan.predicted
+    on_cpu = plan_zoo(ZooModel("llama", 2), req, measure_on=None).plan.predicted
     assert on_cpu.reserved_memory_bytes == on_cpu.peak_memory_bytes
 
 
@@ -47,7 +47,7 @@ def test_a_plan_records_the_margin_it_was_planned_under_and_reads_older_plans() 
     recorded (derived from the budget) are read and dropped, not refused."""
     margin = MemoryMargin(fraction=0.05, reserve_bytes=GIB // 64, allocator_overhead=0.25)
     req = dataclasses.replace(zoo_request("llama", 4, limit=GIB // 8), margin=margin)
-    plan = plan_zoo(builder("llama", 2), req, measure_on=None).plan
+    plan = plan_zoo(ZooModel("llama", 2), req, measure_on=None).plan
     assert plan.memory_margin == margin
     older = plan.model_dump(mode="json")
     older["memory_margin"]["usable_bytes"] = int(margin.usable(GIB // 8))

@@ -16,7 +16,7 @@ from functools import cache
 import numpy as np
 import pytest
 
-from helpers import builder, zoo_request
+from helpers import ZooModel, zoo_request
 from osdp_planners import advice, batch_search, build_context, osdp, space
 from osdp_planners.dominance import undominated
 from osdp_planners.evaluate import Bound, Context, evaluate, unit_seconds
@@ -30,7 +30,7 @@ BATCH = 8
 
 @cache
 def context(family: str, n_layers: int, workers: int, seq_len: int) -> Context:
-    build = builder(family, n_layers)
+    build = ZooModel(family, n_layers)
     req = zoo_request(family, workers, seq_len=seq_len, micro_batch=BATCH)
     return build_context(build, build.named_in(req), None)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import builder, context, plan_zoo, zoo_request
+from helpers import ZooModel, context, plan_zoo, zoo_request
 from osdp_planners import advice, osdp, uniform
 from osdp_planners.choice import Choice
 from osdp_planners.errors import NoPlanFits, UserError
@@ -331,7 +331,7 @@ def test_infeasible_limit_names_the_smallest_footprint_and_the_threshold_holds(
     ctx = context(family, vocab_size=vocab, dim=dim)
     need = advice.smallest_footprint(ctx, zoo_request(family)).evaluation.peak_bytes
     assert need <= smallest_need(ctx, 4)  # never more than the plainest smallest plans need
-    build = builder(family, 2, vocab, dim)
+    build = ZooModel(family, 2, vocab, dim)
     with pytest.raises(UserError) as err:
         plan_zoo(build, zoo_request(family, limit=math.floor(need) - 1))
     assert err.value.field == "planner.memory_limit_gb"
@@ -353,7 +353,7 @@ def test_planned_peak_fits_the_limit(family: str, factor: float, global_batch: i
     ctx = context(family)
     need = advice.smallest_footprint(ctx, zoo_request(family)).evaluation.peak_bytes
     limit = int(factor * need)
-    result = plan_zoo(builder(family, 2), zoo_request(family, limit=limit, global_batch=global_batch))
+    result = plan_zoo(ZooModel(family, 2), zoo_request(family, limit=limit, global_batch=global_batch))
     plan = result.plan
     assert plan.predicted.peak_memory_bytes is not None
     assert plan.predicted.peak_memory_bytes <= limit
@@ -397,7 +397,7 @@ def test_a_harder_plan_must_be_predicted_clearly_faster() -> None:
 def test_osdp_never_trails_a_fitting_uniform_plan_by_more_than_the_resolution(factor: float) -> None:
     ctx = context("llama")
     need = advice.smallest_footprint(ctx, zoo_request("llama")).evaluation.peak_bytes
-    plan = plan_zoo(builder("llama", 2), zoo_request("llama", limit=int(factor * need))).plan
+    plan = plan_zoo(ZooModel("llama", 2), zoo_request("llama", limit=int(factor * need))).plan
     got = plan.predicted.throughput_samples_per_s
     assert got is not None
     for name, b in plan.baselines.items():
@@ -410,7 +410,7 @@ def test_osdp_never_trails_a_fitting_uniform_plan_by_more_than_the_resolution(fa
 def test_a_uniform_planners_advised_minimum_plans_under_that_planner(planner: str) -> None:
     """The advice names a budget the planner asked can use: its own strategy's footprint, not OSDP's
     (the uniform planners advised OSDP's minimum, at which they failed again), and OSDP's beside it."""
-    build = builder("gpt2", 2)
+    build = ZooModel("gpt2", 2)
     req = dataclasses.replace(zoo_request("gpt2", limit=1 << 16), planner=planner)
     with pytest.raises(NoPlanFits) as err:
         plan_zoo(build, req)
@@ -429,8 +429,8 @@ def test_every_plan_records_the_fastest_found_and_what_the_near_tie_rule_cost(fa
     ctx = context("llama")
     need = advice.smallest_footprint(ctx, zoo_request("llama")).evaluation.peak_bytes
     req = zoo_request("llama", limit=int(factor * need))
-    simple = plan_zoo(builder("llama", 2), req).plan
-    fastest = plan_zoo(builder("llama", 2), dataclasses.replace(req, prefer_simpler=False)).plan
+    simple = plan_zoo(ZooModel("llama", 2), req).plan
+    fastest = plan_zoo(ZooModel("llama", 2), dataclasses.replace(req, prefer_simpler=False)).plan
     assert simple.search is not None and fastest.search is not None
     best = fastest.predicted.throughput_samples_per_s
     assert best is not None and simple.predicted.throughput_samples_per_s is not None
@@ -460,9 +460,9 @@ def test_each_uniform_baseline_is_found_once_per_plan(
     req = dataclasses.replace(zoo_request("llama"), planner=planner)
     if planner == "manual":
         path = tmp_path / "plan.json"
-        path.write_text(plan_zoo(builder("llama", 2), zoo_request("llama")).plan.to_json())
+        path.write_text(plan_zoo(ZooModel("llama", 2), zoo_request("llama")).plan.to_json())
         req = dataclasses.replace(req, plan_file=str(path))
     monkeypatch.setattr(uniform, "best_uniform", counted)
-    plan = plan_zoo(builder("llama", 2), req).plan
+    plan = plan_zoo(ZooModel("llama", 2), req).plan
     assert calls == {s: 1 for s in Strategy}
     assert set(plan.baselines) == {s.value for s in Strategy}

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import builder, context
+from helpers import ZooModel, context
 from osdp_planners.comm_probe import STRATEGIES, CommProfile
 from osdp_planners.compute_probe import MeasuredTimes
 from osdp_planners.hardware import get_preset
@@ -31,7 +31,7 @@ def uniform(strategy: Strategy, world: int) -> Option:
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 @pytest.mark.parametrize("split", [2, 4, 8])
 def test_a_split_unit_is_one_fsdp_unit_per_slice_plus_the_rest(family: str, split: int) -> None:
-    model = builder(family, 2)("meta")
+    model = ZooModel(family, 2)("meta")
     profile = context(family).profile
     for unit in profile.units:
         if not unit.linears:
@@ -111,7 +111,7 @@ def test_model_probe_times_the_model_on_real_ranks_and_caches_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("OSDP_CACHE_DIR", str(tmp_path))
-    build = builder("llama", 2)
+    build = ZooModel("llama", 2)
     flops = {u.name: 1.0 for u in context("llama").profile.units}
     times, overheads = measure_on_ranks(build, 32, 256, flops, 2, "llama-tiny-2")
     assert overheads is not None

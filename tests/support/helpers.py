@@ -146,10 +146,6 @@ class ZooModel:
         return dataclasses.replace(req, model_key=key)
 
 
-def builder(family: str, n_layers: int, vocab_size: int | None = None, dim: int | None = None) -> ZooModel:
-    return ZooModel(family, n_layers, vocab_size, dim)
-
-
 def plan_zoo(build: ZooModel, req: PlanRequest, measure_on: str | None = None) -> PlanResult:
     """`make_plan_for` on a zoo model, with the request naming that model."""
     return make_plan_for(build, build.named_in(req), measure_on)
@@ -166,6 +162,6 @@ def context(
     dim: int | None = None,
     seq_len: int = 32,
 ) -> Context:
-    build = builder(family, n_layers, vocab_size, dim)
+    build = ZooModel(family, n_layers, vocab_size, dim)
     req = zoo_request(family, workers, precision=precision, optimizer=optimizer, seq_len=seq_len)
     return build_context(build, build.named_in(req), None)

@@ -7,14 +7,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from helpers import builder, plan_zoo, zoo_request
+from helpers import ZooModel, plan_zoo, zoo_request
 from osdp_planners.plan import Plan
 from osdp_planners.torch_private import register_fake_backend
 from osdp_platform.recipe.loader import load_recipe
 from osdp_platform.runtime.apply import apply_plan
 from osdp_platform.runtime.step import train_step
 
-BUILD = builder("llama", 2)
+BUILD = ZooModel("llama", 2)
 SEQ = 32
 
 
