@@ -11,13 +11,12 @@ import dataclasses
 import itertools
 import math
 import random
-from functools import cache
 
 import numpy as np
 import pytest
 
-from helpers import ZooModel, zoo_request
-from osdp_planners import advice, batch_search, build_context, osdp, space
+from helpers import context, zoo_request
+from osdp_planners import advice, batch_search, osdp, space
 from osdp_planners.dominance import undominated
 from osdp_planners.evaluate import Bound, Context, evaluate, unit_seconds
 from osdp_planners.hardware import GIB
@@ -26,13 +25,6 @@ from osdp_planners.options import Option
 from osdp_planners.plan import Strategy
 
 BATCH = 8
-
-
-@cache
-def context(family: str, n_layers: int, workers: int, seq_len: int) -> Context:
-    build = ZooModel(family, n_layers)
-    req = zoo_request(family, workers, seq_len=seq_len, micro_batch=BATCH)
-    return build_context(build, build.named_in(req), None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +84,7 @@ def searched(ctx: Context, mode: str, options: dict[str, list[Option]], limit: f
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_milp_is_the_brute_force_optimum_of_the_simulated_objective(case: Case) -> None:
-    ctx = context(case.family, case.n_layers, case.workers, case.seq_len)
+    ctx = context(case.family, case.n_layers, case.workers, seq_len=case.seq_len, micro_batch=BATCH)
     options = sampled_options(ctx, case)
     every = BruteForce(ctx, options)
     gains = 0
@@ -128,7 +120,7 @@ def test_milp_is_the_brute_force_optimum_of_the_simulated_objective(case: Case) 
 def test_exact_mode_gains_over_the_knapsack_on_the_tiny_recipe() -> None:
     """The tiny recipe's model (Llama tiny, 2 layers, 2 workers, seq 64, micro batch 8), every option,
     at 1.2x the least memory any plan needs: the knapsack's bound rejects what the simulation fits."""
-    ctx = context("llama", 2, 2, 64)
+    ctx = context("llama", 2, 2, seq_len=64, micro_batch=BATCH)
     req = zoo_request("llama", 2, seq_len=64, micro_batch=BATCH)
     options = space.unit_option_lists(ctx, req)
     least = advice.smallest_footprint(ctx, req).evaluation.peak_bytes
@@ -147,7 +139,7 @@ def test_exact_mode_gains_over_the_knapsack_on_the_tiny_recipe() -> None:
 @pytest.mark.parametrize("mode", ["knapsack", "milp", "auto"])
 def test_ties_resolve_to_the_fastest_runtime(mode: str) -> None:
     """Where everything fits, the plan is uniform DP, not HSDP(1) or a mix the time model prices the same."""
-    ctx = context("llama", 2, 2, 64)
+    ctx = context("llama", 2, 2, seq_len=64, micro_batch=BATCH)
     req = zoo_request("llama", 2, seq_len=64, micro_batch=BATCH, search=mode)
     units = [u.name for u in ctx.profile.units]
     for u in units:  # the tie is real: the time model charges DP and HSDP over groups of one the same
@@ -185,7 +177,7 @@ def test_certified_search_is_within_its_gap_and_its_bound_holds(case: Case, monk
     """auto on programs it does not solve exactly (forced here on small ones): its plan within
     CERTIFIED_GAP of brute force, and the bound it proves never below the brute-force optimum."""
     monkeypatch.setattr(batch_search, "AUTO_MILP_BINARIES", 0)
-    ctx = context(case.family, case.n_layers, case.workers, case.seq_len)
+    ctx = context(case.family, case.n_layers, case.workers, seq_len=case.seq_len, micro_batch=BATCH)
     options = sampled_options(ctx, case)
     every = BruteForce(ctx, options)
     for limit in every.budgets():
@@ -210,7 +202,7 @@ def test_relax_and_fix_plans_fit_and_never_beat_the_optimum(case: Case) -> None:
     """The plan that keeps what the relaxation decided (relax_and_fix.py) fits, costs no less than brute
     force's optimum, and is bounded by the relaxation, not by its own restricted program: in these cases
     fixing misses the optimum at some budgets."""
-    ctx = context(case.family, case.n_layers, case.workers, case.seq_len)
+    ctx = context(case.family, case.n_layers, case.workers, seq_len=case.seq_len, micro_batch=BATCH)
     options = sampled_options(ctx, case)
     every = BruteForce(ctx, options)
     found_any = 0
@@ -237,7 +229,7 @@ def test_default_search_is_within_its_gap_of_the_exact_one(monkeypatch: pytest.M
     certify instead of solving exactly (as it does at scale): its fastest plan within CERTIFIED_GAP of
     milp's, and the bound it proves above milp's plan."""
     monkeypatch.setattr(batch_search, "AUTO_MILP_BINARIES", 0)
-    ctx = context("llama", 8, 4, 64)
+    ctx = context("llama", 8, 4, seq_len=64, micro_batch=BATCH)
     req = zoo_request("llama", 4, seq_len=64, global_batch=64)
     least = advice.smallest_footprint(ctx, req).evaluation.peak_bytes
     tight = dataclasses.replace(ctx, usable_memory_bytes=1.3 * least)

@@ -161,7 +161,10 @@ def context(
     vocab_size: int | None = None,
     dim: int | None = None,
     seq_len: int = 32,
+    micro_batch: int | None = None,
 ) -> Context:
     build = ZooModel(family, n_layers, vocab_size, dim)
-    req = zoo_request(family, workers, precision=precision, optimizer=optimizer, seq_len=seq_len)
+    req = zoo_request(
+        family, workers, precision=precision, optimizer=optimizer, seq_len=seq_len, micro_batch=micro_batch
+    )
     return build_context(build, build.named_in(req), None)
