@@ -27,4 +27,4 @@ docs: $(STAMP)
 
 test: $(STAMP)
 	@$(MAKE) --no-print-directory lint typecheck
-	$(VENV)/bin/pytest -q -n 3 --dist loadfile --durations=15
+	$(VENV)/bin/pytest -q -n 2 --dist loadfile --durations=15
