@@ -9,6 +9,12 @@ import ray
 
 from helpers import TEST_PATH, MlflowServer
 
+# Ray Train's controller takes a worker's report (and with it a checkpoint) from a queue of one, polling
+# every 2 s by default: a run that checkpoints every 2 steps waited about 2 s per checkpoint, and a
+# worker's death was noticed up to 2 s late. The driver hands this on to every controller and worker; CLI
+# subprocesses and the fake clusters' heads inherit it (ray_head.client_env).
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Heavy modules first: `make test` hands whole files to its xdist workers as they free up, and a
