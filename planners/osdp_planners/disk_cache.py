@@ -4,9 +4,13 @@ A planner runs in a fresh process for every submit (the planner actor), and a sw
 a re-plan at another world size asks for the same model again: what took seconds to measure or
 profile is read back. An entry is one file per key, named by this host and torch version (a
 measurement of one machine means nothing on another); writes go to a temp file renamed into place,
-so a planner in another process never reads half a file.
+so a planner in another process never reads half a file. One process at a time makes an entry: a
+second planner on the host (a sweep's next cell, another run's planner actor) waits for it and reads
+it, instead of measuring the same thing beside the first, which costs the time twice and skews the
+timings of both.
 """
 
+import fcntl
 import json
 import os
 import pickle
@@ -46,9 +50,13 @@ def cached(kind: str, key: str, make: Callable[[], Any], codec: Codec = JSON) ->
     path = cache_file(kind, key, codec)
     if path.is_file():
         return codec.loads(path.read_bytes())
-    result = make()
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("wb", dir=path.parent, suffix=".tmp", delete=False) as tmp:
-        tmp.write(codec.dumps(result))
-    os.replace(tmp.name, path)
+    with path.with_name(path.name + ".lock").open("wb") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when a killed maker's process ends
+        if path.is_file():  # made by the process this one waited for
+            return codec.loads(path.read_bytes())
+        result = make()
+        with tempfile.NamedTemporaryFile("wb", dir=path.parent, suffix=".tmp", delete=False) as tmp:
+            tmp.write(codec.dumps(result))
+        os.replace(tmp.name, path)
     return result
