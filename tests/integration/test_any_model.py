@@ -19,8 +19,6 @@ import torch.distributed as dist
 from ray.train import ScalingConfig
 from ray.train.torch import TorchTrainer
 from ray.util.queue import Queue
-from reference import reference_run
-from structures import STRUCTURES
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from helpers import RECIPES
@@ -37,6 +35,8 @@ from osdp_platform.recipe.schema import ModelSection, Recipe
 from osdp_platform.runtime.data import load_tokens
 from osdp_platform.runtime.models import build_model
 from osdp_platform.runtime.state import build_worker_state
+from reference import reference_run
+from structures import STRUCTURES
 
 pytestmark = pytest.mark.heavy
 

@@ -24,7 +24,6 @@ import torch.distributed.checkpoint as dcp
 from ray.train import ScalingConfig
 from ray.train.torch import TorchTrainer
 from ray.util.queue import Queue
-from reference import reference_run
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
@@ -36,6 +35,7 @@ from osdp_platform.runtime.apply import PlanMismatch, apply_plan
 from osdp_platform.runtime.data import load_tokens
 from osdp_platform.runtime.models import build_model, build_sharded
 from osdp_platform.runtime.state import build_worker_state
+from reference import reference_run
 
 pytestmark = pytest.mark.heavy
 
