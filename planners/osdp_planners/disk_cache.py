@@ -50,8 +50,9 @@ def cached(kind: str, key: str, make: Callable[[], Any], codec: Codec = JSON) ->
     path = cache_file(kind, key, codec)
     if path.is_file():
         return codec.loads(path.read_bytes())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.with_name(path.name + ".lock").open("wb") as lock:
+    lock_file = path.parent / "locks" / f"{path.name}.lock"  # beside the entries, not among them
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with lock_file.open("wb") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when a killed maker's process ends
         if path.is_file():  # made by the process this one waited for
             return codec.loads(path.read_bytes())
