@@ -137,6 +137,26 @@ def _reference(recipe_args: list[str], plan: Plan, checkpoint: str, steps: range
     return [float(train_step(model, optimizer, sampler.micro_batches(s, accum, micro, 0, 1), accum)) for s in steps]
 
 
+def test_an_autoscaling_pool_is_asked_for_its_nodes_by_the_driver(head: RayHead, tmp_path: Path) -> None:
+    """With no node there and none asked for by anyone else, the run trains only if its driver's standing
+    request for max_nodes launches them (without it: wait_for_nodes_s, then exit 2). First in the module:
+    the head starts with no worker node, and the nodes it launches serve the tests after it."""
+    _take_nodes(head, len(head.worker_nodes()))
+    _wait("no worker node left", lambda: not head.worker_nodes(), 120)
+    assert head.no_capacity is not None
+    head.no_capacity.unlink()
+    db = tmp_path / "mlflow.db"
+    args = [f"tracking.uri=sqlite:///{db}", "hardware.autoscaling=true", "train.steps=4"]
+    proc = _submit(head, tmp_path, *args)
+    try:
+        out, _ = proc.communicate(timeout=420)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-5000:]
+    assert int(_tags(db)["world_size"]) >= 1 and head.worker_nodes()
+
+
 def test_a_run_shrinks_when_a_node_goes_and_grows_when_one_comes_back(head: RayHead, tmp_path: Path) -> None:
     _nodes(head, 2)
     db = tmp_path / "mlflow.db"
@@ -223,22 +243,3 @@ def _running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
-
-
-def test_an_autoscaling_pool_is_asked_for_its_nodes_by_the_driver(head: RayHead, tmp_path: Path) -> None:
-    """With no node there and none asked for by anyone else, the run trains only if its driver's standing
-    request for max_nodes launches them (without it: wait_for_nodes_s, then exit 2)."""
-    _take_nodes(head, len(head.worker_nodes()))
-    _wait("no worker node left", lambda: not head.worker_nodes(), 120)
-    assert head.no_capacity is not None
-    head.no_capacity.unlink()
-    db = tmp_path / "mlflow.db"
-    args = [f"tracking.uri=sqlite:///{db}", "hardware.autoscaling=true", "train.steps=4"]
-    proc = _submit(head, tmp_path, *args)
-    try:
-        out, _ = proc.communicate(timeout=420)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, out[-5000:]
-    assert int(_tags(db)["world_size"]) >= 1 and head.worker_nodes()
