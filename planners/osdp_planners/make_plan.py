@@ -66,10 +66,10 @@ def _code_hash(model: nn.Module) -> str | None:
 
 
 def _profile(build: Builder, req: PlanRequest, structure: str, dtype: torch.dtype) -> ModelProfile:
-    """The model's fake-tensor profile, once per process and once per host for a model the request names
+    """The model's profile, once per process and once per host for a model the request names
     in full (`req.model_key`: its whole configuration).
 
-    Profiling runs the model 16 times under fake tensors (seconds for a small model); every submit plans
+    Profiling runs the model 16 times (on fake tensors; a small model mostly on real ones); every submit plans
     in a fresh process (the planner actor), and a sweep, a restart or a re-plan asks for the same model
     again, so the profile is kept in memory and on disk, keyed by the model, its parameter structure,
     the shapes and the source it was profiled with.

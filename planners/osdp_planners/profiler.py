@@ -2,10 +2,14 @@
 tensors (no memory, any size), under a recorder of live tensor bytes (recorder.py), once per variant,
 each split and checkpointed exactly as the runtime applies them, at the two batch sizes of
 PROFILE_BATCHES. Of a list of identical blocks only KEEP_BLOCKS run; the rest are extrapolated.
+
+A model small enough runs its variants on real CPU tensors instead: the recorder counts the storages
+the ops return, which are the same ops with the same shapes either way, and a small model's kernels
+cost less than fake tensors' dispatch (about 0.1 ms an op), so its profile takes half the time.
 """
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +36,7 @@ from osdp_planners.trace import ROOT, CallTrace, trace_calls
 from osdp_planners.units import Unit, units_of
 
 KEEP_BLOCKS = 2
+REAL_RUN_FLOPS = 2e9  # a profile run of at most this many FLOPs (its linear layers') runs on real CPU tensors
 
 
 @dataclass(frozen=True)
@@ -199,32 +204,55 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(default)
 
 
+def _on_real_tensors(full: nn.Module, seq_len: int) -> bool:
+    """Whether a variant run (forward and backward at the larger profile batch) is small enough for real
+    CPU tensors: a fraction of a second of kernels, and memory a planner never misses."""
+    params = sum(p.numel() for p in full.parameters())
+    return 6 * params * max(PROFILE_BATCHES) * seq_len <= REAL_RUN_FLOPS
+
+
+def _tensors(real: bool) -> AbstractContextManager[object]:
+    """Where a variant's model is built and run: real tensors (drawing from a forked RNG, so that profiling
+    leaves the caller's seed alone) or a fake mode of its own."""
+    return torch.random.fork_rng(devices=[]) if real else FakeTensorMode()
+
+
 def _variant_runs(
     build: Callable[[str], nn.Module], seq_len: int, vocab: int, dtype: torch.dtype, variants: tuple[Variant, ...]
 ) -> tuple[list[Unit], dict[str, str], dict[Variant, list[_Run]], tuple[str, int] | None, nn.Module]:
-    runs: dict[Variant, list[_Run]] = {}
-    units: list[Unit] = []
-    unit_of: dict[str, str] = {}
-    blocks: tuple[str, int] | None = None
-    full: nn.Module | None = None
-    trace = CallTrace()
-    for variant in variants:
+    """The model built once on fake tensors for its call trace and units, then once per variant and run.
+
+    The plain variant runs on fake tensors. A small model runs the others on real ones if its plain run
+    records there exactly what it recorded on fake tensors: a few ops decompose by device (CPU dropout
+    keeps a float noise tensor where fake tensors, as CUDA, keep a bool mask), and a model may use a
+    kernel that only fake tensors have.
+    """
+    with FakeTensorMode():
         with _default_dtype(dtype):
-            model = build_fake(lambda: build("cpu"))
-        if full is None:
-            full = model
-            trace = trace_calls(model, seq_len, vocab)
-            units = units_of(model, trace)
-            unit_of = {m: u.name for u in units for m in u.modules if m}
+            full = build_fake(lambda: build("cpu"))
+        trace = trace_calls(full, seq_len, vocab)
+    units = units_of(full, trace)
+    unit_of = {m: u.name for u in units for m in u.modules if m}
+
+    def run(variant: Variant, real: bool) -> tuple[list[_Run], tuple[str, int] | None]:
+        with _tensors(real):
             with _default_dtype(dtype):
-                model = build_fake(lambda: build("cpu"))
-        blocks = _truncate_repeats(model, trace, set(unit_of))
-        live = {path for path, _ in model.named_modules()}
-        present = [u for u in units if all(m in live for m in u.modules)]
-        _apply_variant(model, present, variant, live)
-        modules = {m: u for m, u in unit_of.items() if m in live}
-        runs[variant] = [_run_once(model, present, modules, b, seq_len, vocab) for b in PROFILE_BATCHES]
-    assert full is not None
+                model = build("cpu") if real else build_fake(lambda: build("cpu"))
+            blocks = _truncate_repeats(model, trace, set(unit_of))
+            live = {path for path, _ in model.named_modules()}
+            present = [u for u in units if all(m in live for m in u.modules)]
+            _apply_variant(model, present, variant, live)
+            modules = {m: u for m, u in unit_of.items() if m in live}
+            return [_run_once(model, present, modules, b, seq_len, vocab) for b in PROFILE_BATCHES], blocks
+
+    plain, blocks = run(PLAIN, real=False)
+    real = False
+    if _on_real_tensors(full, seq_len):
+        try:
+            real = run(PLAIN, real=True)[0] == plain
+        except (RuntimeError, NotImplementedError):
+            real = False
+    runs = {PLAIN: plain} | {v: run(v, real)[0] for v in variants if v != PLAIN}
     return units, unit_of, runs, blocks, full
 
 
@@ -284,17 +312,17 @@ def profile_model(
     dtype: torch.dtype = torch.float32,
     variants: tuple[Variant, ...] = VARIANTS,
 ) -> ModelProfile:
-    """Profile `build("cpu")` (constructed inside fake mode, so any size works) under every variant.
+    """Profile `build("cpu")` (constructed inside fake mode, so any size works; a small model on real
+    tensors where they record the same) under every variant.
 
     `dtype` is the compute dtype: under bf16 mixed precision activations (and the unsharded
     gradients FSDP2 holds) are bf16.
     """
-    with FakeTensorMode():
-        units, unit_of, runs, blocks, full = _variant_runs(
-            build, seq_len, vocab_size, dtype, tuple(dict.fromkeys((PLAIN, *variants)))
-        )
-        linears = {u.name: [_linear_shape(full, p) for p in u.linears] for u in units}
-        largest = max((4 * p.numel() for p in full.parameters()), default=0)
+    units, unit_of, runs, blocks, full = _variant_runs(
+        build, seq_len, vocab_size, dtype, tuple(dict.fromkeys((PLAIN, *variants)))
+    )
+    linears = {u.name: [_linear_shape(full, p) for p in u.linears] for u in units}
+    largest = max((4 * p.numel() for p in full.parameters()), default=0)
     plain = runs[PLAIN]
     acts = {v: _activations(rs) for v, rs in runs.items()}
     extras = [_extras(r) for r in plain]
