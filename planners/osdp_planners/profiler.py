@@ -9,12 +9,13 @@ cost less than fake tensors' dispatch (about 0.1 ms an op), so its profile takes
 """
 
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from osdp_planners import run_tensors
 from osdp_planners.fake_build import build_fake
 from osdp_planners.loss import lm_loss, logits_of
 from osdp_planners.options import Variant
@@ -36,7 +37,6 @@ from osdp_planners.trace import ROOT, CallTrace, trace_calls
 from osdp_planners.units import Unit, units_of
 
 KEEP_BLOCKS = 2
-REAL_RUN_FLOPS = 2e9  # a profile run of at most this many FLOPs (its linear layers') runs on real CPU tensors
 
 
 @dataclass(frozen=True)
@@ -204,19 +204,6 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(default)
 
 
-def _on_real_tensors(full: nn.Module, seq_len: int) -> bool:
-    """Whether a variant run (forward and backward at the larger profile batch) is small enough for real
-    CPU tensors: a fraction of a second of kernels, and memory a planner never misses."""
-    params = sum(p.numel() for p in full.parameters())
-    return 6 * params * max(PROFILE_BATCHES) * seq_len <= REAL_RUN_FLOPS
-
-
-def _tensors(real: bool) -> AbstractContextManager[object]:
-    """Where a variant's model is built and run: real tensors (drawing from a forked RNG, so that profiling
-    leaves the caller's seed alone) or a fake mode of its own."""
-    return torch.random.fork_rng(devices=[]) if real else FakeTensorMode()
-
-
 def _variant_runs(
     build: Callable[[str], nn.Module], seq_len: int, vocab: int, dtype: torch.dtype, variants: tuple[Variant, ...]
 ) -> tuple[list[Unit], dict[str, str], dict[Variant, list[_Run]], tuple[str, int] | None, nn.Module]:
@@ -235,7 +222,7 @@ def _variant_runs(
     unit_of = {m: u.name for u in units for m in u.modules if m}
 
     def run(variant: Variant, real: bool) -> tuple[list[_Run], tuple[str, int] | None]:
-        with _tensors(real):
+        with run_tensors.tensors(real):
             with _default_dtype(dtype):
                 model = build("cpu") if real else build_fake(lambda: build("cpu"))
             blocks = _truncate_repeats(model, trace, set(unit_of))
@@ -247,7 +234,7 @@ def _variant_runs(
 
     plain, blocks = run(PLAIN, real=False)
     real = False
-    if _on_real_tensors(full, seq_len):
+    if run_tensors.small_enough(full, seq_len):
         try:
             real = run(PLAIN, real=True)[0] == plain
         except (RuntimeError, NotImplementedError):

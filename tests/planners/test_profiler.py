@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from osdp_planners import profiler
+from osdp_planners import run_tensors
 from osdp_planners.options import Variant
 from osdp_planners.profiler import profile_model
 from osdp_platform.zoo import build_zoo_model
@@ -36,14 +36,14 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], torch.dtype, bool]] = {
 def test_real_tensors_record_the_fake_tensors_profile(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     build, dtype, same_ops = MODELS[name]
     with torch.device("meta"):
-        assert profiler._on_real_tensors(build(), SEQ), "the case must be small enough to run for real"
+        assert run_tensors.small_enough(build(), SEQ), "the case must be small enough to run for real"
     used: list[bool] = []  # per model built: on real tensors or not
-    tensors = profiler._tensors
-    monkeypatch.setattr(profiler, "_tensors", lambda real: used.append(real) or tensors(real))
+    tensors = run_tensors.tensors
+    monkeypatch.setattr(run_tensors, "tensors", lambda real: used.append(real) or tensors(real))
     profiled = profile_model(lambda _device: build(), SEQ, VOCAB, dtype, VARIANTS)
     # the plain run on fake tensors, again on real ones to compare, then the other variants
     assert used == [False, True, *[same_ops] * len(VARIANTS)]
-    monkeypatch.setattr(profiler, "REAL_RUN_FLOPS", 0.0)
+    monkeypatch.setattr(run_tensors, "REAL_RUN_FLOPS", 0.0)
     assert profiled == profile_model(lambda _device: build(), SEQ, VOCAB, dtype, VARIANTS)
 
 
@@ -58,5 +58,5 @@ def test_profiling_on_real_tensors_leaves_the_callers_random_state() -> None:
 def test_a_large_model_profiles_on_fake_tensors() -> None:
     with torch.device("meta"):
         llama_1b, tiny = build_zoo_model("llama", "1b"), build_zoo_model("llama", "tiny")
-    assert not profiler._on_real_tensors(llama_1b, 2048)
-    assert profiler._on_real_tensors(tiny, 64) and not profiler._on_real_tensors(tiny, 8192)  # long sequences
+    assert not run_tensors.small_enough(llama_1b, 2048)
+    assert run_tensors.small_enough(tiny, 64) and not run_tensors.small_enough(tiny, 8192)  # long sequences
