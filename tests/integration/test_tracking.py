@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import requests
 from mlflow.tracking import MlflowClient
@@ -232,6 +233,8 @@ def test_ui_serves_the_local_store(tmp_path: Path) -> None:
         _wait_for(lambda: _answers(f"http://127.0.0.1:{port}"), 180, "the UI")
         run = MlflowClient(f"http://127.0.0.1:{port}").get_run(tracker.run_id)
         assert run.info.run_name == "seen-in-the-ui"
+        started = [" ".join(p.cmdline()) for p in psutil.Process(ui.pid).children(recursive=True)]
+        assert not [c for c in started if "huey" in c or "_job_runner" in c], started  # no job runners
     finally:
         os.killpg(ui.pid, signal.SIGKILL)
         ui.wait(timeout=60)

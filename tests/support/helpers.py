@@ -18,6 +18,7 @@ import torch
 from osdp_planners import PlanRequest, PlanResult, build_context, make_plan_for
 from osdp_planners.evaluate import Context
 from osdp_planners.hardware import GIB, get_preset
+from osdp_platform.driver.cli import JOB_EXECUTION
 from osdp_platform.zoo import build_zoo_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -71,6 +72,7 @@ class MlflowServer:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env={**os.environ, JOB_EXECUTION: "false"},  # tracking needs none of its job runners (cli.py `ui`)
         )
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:

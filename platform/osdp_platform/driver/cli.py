@@ -23,6 +23,7 @@ EXIT_FAULT = 1  # a fault at run time (a worker crashed, a node went away), not 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
 FORMATS = ("table", "json", "markdown")
+JOB_EXECUTION = "MLFLOW_SERVER_ENABLE_JOB_EXECUTION"  # MLflow server's switch for its job runners
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -113,7 +114,10 @@ def _ui(uri: str, host: str, port: int, console: Console) -> int:
         return 0
     console.print(f"MLflow UI on {uri}: http://{host}:{port} (Ctrl-C stops it)", markup=False)
     sys.stdout.flush()
-    os.execv(
+    # Browsing runs needs none of MLflow's server-side jobs (GenAI evaluation, trace rollups): without this
+    # the server starts seven job-runner processes, each loading MLflow (~15 CPU-s before the UI answers).
+    env = {**os.environ, JOB_EXECUTION: os.environ.get(JOB_EXECUTION, "false")}
+    os.execve(
         sys.executable,
         [
             sys.executable,
@@ -129,6 +133,7 @@ def _ui(uri: str, host: str, port: int, console: Console) -> int:
             "--workers",
             "1",
         ],
+        env,
     )
     return 0
 
