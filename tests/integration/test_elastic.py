@@ -3,8 +3,8 @@
 The head (no CPUs) has one node type, one worker each, advertising the pool `ELASTIC`; the test asks
 the autoscaler for nodes (request_resources, from a subprocess: this process keeps away from the head)
 and takes one away by killing its raylet, as a pre-empted spot node goes, with the fake cloud out of
-capacity until the test asks again. On a pool with `hardware.autoscaling`, the nodes a run trains on
-are those the driver asks for (max_nodes): the test asks for none. The driver is the
+capacity until the test makes room again. On a pool with `hardware.autoscaling` the driver asks for
+max_nodes itself, so a node taken away comes back for its request alone. The driver is the
 `osdp-platform` CLI in a subprocess, joined to the head's GCS as a user's driver on the cluster would be.
 """
 
@@ -137,36 +137,24 @@ def _reference(recipe_args: list[str], plan: Plan, checkpoint: str, steps: range
     return [float(train_step(model, optimizer, sampler.micro_batches(s, accum, micro, 0, 1), accum)) for s in steps]
 
 
-def test_an_autoscaling_pool_is_asked_for_its_nodes_by_the_driver(head: RayHead, tmp_path: Path) -> None:
-    """With no node there and none asked for by anyone else, the run trains only if its driver's standing
-    request for max_nodes launches them (without it: wait_for_nodes_s, then exit 2). First in the module:
-    the head starts with no worker node, and the nodes it launches serve the tests after it."""
-    _take_nodes(head, len(head.worker_nodes()))
-    _wait("no worker node left", lambda: not head.worker_nodes(), 120)
-    assert head.no_capacity is not None
-    head.no_capacity.unlink()
-    db = tmp_path / "mlflow.db"
-    args = [f"tracking.uri=sqlite:///{db}", "hardware.autoscaling=true", "train.steps=4"]
-    proc = _submit(head, tmp_path, *args)
-    try:
-        out, _ = proc.communicate(timeout=420)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, out[-5000:]
-    assert int(_tags(db)["world_size"]) >= 1 and head.worker_nodes()
-
-
-def test_a_run_shrinks_when_a_node_goes_and_grows_when_one_comes_back(head: RayHead, tmp_path: Path) -> None:
+def test_a_run_shrinks_when_a_node_goes_and_grows_when_its_driver_has_it_replaced(
+    head: RayHead, tmp_path: Path
+) -> None:
+    """On a pool with hardware.autoscaling the driver keeps the autoscaler asked for max_nodes while it runs.
+    The test withdraws its own request once its nodes are up, so the node that replaces the one it takes
+    away is launched for the driver's request alone, sent long after the first group started."""
     _nodes(head, 2)
     db = tmp_path / "mlflow.db"
-    args = [f"tracking.uri=sqlite:///{db}", f"train.checkpoint_dir={tmp_path / 'ckpt'}"]
+    args = [f"tracking.uri=sqlite:///{db}", f"train.checkpoint_dir={tmp_path / 'ckpt'}", "hardware.autoscaling=true"]
     proc = _submit(head, tmp_path, *args)
     try:
         _wait("the first checkpoints", lambda: _tag_at_least(db, "checkpoint_step", 4), 300, proc)
         _take_nodes(head)
         _wait("a plan for the smaller world", lambda: _tag_at_least(db, "plan_versions", 2), 180, proc)
-        _nodes(head, 2)  # launched while the smaller group starts: it grows at its first checkpoint or later
+        # Room in the cloud again: the node launched while the smaller group starts makes it grow at its
+        # first checkpoint or later.
+        assert head.no_capacity is not None
+        head.no_capacity.unlink()
         out, _ = proc.communicate(timeout=420)
     finally:
         if proc.poll() is None:

@@ -34,6 +34,7 @@ from osdp_platform.runtime.models import build_model
 
 POLL_S = 2.0  # how often the driver counts the nodes while a group trains, or while it waits for nodes
 SETTLE_S = 6.0  # after a failure: the count must hold this long (the cluster notices a lost node in seconds)
+REQUEST_EVERY_S = 1.0  # an autoscaling pool's standing request for max_nodes is sent this often (see below)
 
 
 def worker_resources(hw: HardwareSection) -> dict[str, float]:
@@ -58,14 +59,31 @@ def asking_for_max_nodes(hw: HardwareSection) -> Iterator[None]:
     """On an autoscaling cluster (hardware.autoscaling), keep the autoscaler asked for max_nodes while the run
     lasts. A group sized to the nodes there demands nothing more, so without this standing request no node
     would be launched for an elastic run, nor replace one that went; at the end the request is withdrawn
-    so the autoscaler may take the nodes away."""
+    so the autoscaler may take the nodes away.
+
+    The request is sent again every REQUEST_EVERY_S: a cluster holds one request, the last one sent, and every
+    Ray Train group starts Ray Data's autoscaling coordinator, which sends its own (empty, with no
+    dataset) every 20 s. Sent once, ours lasted until the first group's coordinator replaced it, and a
+    lost node was never replaced."""
     if not (hw.elastic and hw.autoscaling):
         yield
         return
-    request_resources(bundles=[worker_resources(hw)] * (hw.node_counts[-1] * hw.workers_per_node))
+    bundles = [worker_resources(hw)] * (hw.node_counts[-1] * hw.workers_per_node)
+    done = threading.Event()
+
+    def keep_asking() -> None:
+        while True:
+            request_resources(bundles=bundles)
+            if done.wait(REQUEST_EVERY_S):
+                return
+
+    asker = threading.Thread(target=keep_asking, name="osdp-request-max-nodes", daemon=True)
+    asker.start()
     try:
         yield
     finally:
+        done.set()
+        asker.join()
         request_resources(bundles=[])
 
 
