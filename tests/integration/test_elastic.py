@@ -89,15 +89,15 @@ def _nodes(head: RayHead, count: int, timeout_s: float = 180) -> None:
     _ask_for_nodes(head, 0)  # keep what is there, but replace nothing the test takes away
 
 
-def _take_nodes(head: RayHead, count: int = 1) -> None:
-    """Stop worker nodes' raylets, as pre-empted spot nodes go (SIGTERM: the notice they get), with their
-    workers; the fake cloud has no capacity until the test says so, so no node replaces them meanwhile."""
+def _take_node(head: RayHead) -> None:
+    """Stop a worker node's raylet, as a pre-empted spot node goes (SIGTERM: the notice it gets), with its
+    workers; the fake cloud has no capacity until the test says so, so no node replaces it meanwhile."""
     assert head.no_capacity is not None
     head.no_capacity.touch()
-    for node in [n["id"] for n in head.worker_nodes()[:count]]:
-        raylets = [p for p in head.processes() if p.name() == "raylet" and f"--node_id={node}" in " ".join(p.cmdline())]
-        assert len(raylets) == 1, raylets
-        os.kill(raylets[0].pid, signal.SIGTERM)
+    node = head.worker_nodes()[0]["id"]
+    raylets = [p for p in head.processes() if p.name() == "raylet" and f"--node_id={node}" in " ".join(p.cmdline())]
+    assert len(raylets) == 1, raylets
+    os.kill(raylets[0].pid, signal.SIGTERM)
 
 
 def _submit(head: RayHead, tmp: Path, *overrides: str) -> subprocess.Popen[str]:
@@ -142,14 +142,14 @@ def test_a_run_shrinks_when_a_node_goes_and_grows_when_its_driver_has_it_replace
 ) -> None:
     """On a pool with hardware.autoscaling the driver keeps the autoscaler asked for max_nodes while it runs.
     The test withdraws its own request once its nodes are up, so the node that replaces the one it takes
-    away is launched for the driver's request alone, sent long after the first group started."""
+    away is launched for the driver's request alone, re-sent while the run goes on."""
     _nodes(head, 2)
     db = tmp_path / "mlflow.db"
     args = [f"tracking.uri=sqlite:///{db}", f"train.checkpoint_dir={tmp_path / 'ckpt'}", "hardware.autoscaling=true"]
     proc = _submit(head, tmp_path, *args)
     try:
         _wait("the first checkpoints", lambda: _tag_at_least(db, "checkpoint_step", 4), 300, proc)
-        _take_nodes(head)
+        _take_node(head)
         _wait("a plan for the smaller world", lambda: _tag_at_least(db, "plan_versions", 2), 180, proc)
         # Room in the cloud again: the node launched while the smaller group starts makes it grow at its
         # first checkpoint or later.
@@ -212,7 +212,7 @@ def test_a_shrink_below_every_plan_stops_with_the_planners_message(head: RayHead
     proc = _submit(head, tmp_path, *args, f"train.checkpoint_dir={tmp_path / 'ckpt'}")
     try:
         _wait("the first checkpoints", lambda: _tag_at_least(db, "checkpoint_step", 2), 300, proc)
-        _take_nodes(head)
+        _take_node(head)
         out, _ = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
