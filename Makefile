@@ -3,13 +3,13 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
+# pip compiles bytecode one file at a time; compileall uses every core (half the install's time on 2 cores).
+# The one file excluded is torch's Python 3.12 syntax test, which pip skips as well.
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q --no-compile torch==2.13.0
 	$(VENV)/bin/pip install -q --no-compile -e '.[dev]'
-	# pip compiles bytecode one file at a time; compileall uses every core (half the install's time on
-	# 2 cores). The one file excluded is torch's Python 3.12 syntax test, which pip skips as well.
 	$(VENV)/bin/python -m compileall -q -j 0 -x py312_intrinsics $(VENV)/lib
 	touch $(STAMP)
 
