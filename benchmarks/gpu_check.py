@@ -108,17 +108,29 @@ def _free_cache(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _median_step(step: Callable[[], object], device: torch.device) -> float:
+@dataclasses.dataclass(frozen=True)
+class Timed:
+    """Median seconds of a step, and of its host part: until the step's call returns, before the device
+    is waited for. A host part close to the step means the device waited on the host (launches, FSDP2's
+    hooks), so the step follows the host's speed, not the GPU's."""
+
+    step_s: float
+    host_s: float
+
+
+def _median_step(step: Callable[[], object], device: torch.device) -> Timed:
     """Median seconds of a step after warm-up (the optimizer's states appear at the first)."""
-    times = []
+    times, host = [], []
     for i in range(WARMUP + STEPS):
         _sync(device)
         t0 = time.perf_counter()
         step()
+        t1 = time.perf_counter()
         _sync(device)
         if i >= WARMUP:
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+            host.append(t1 - t0)
+    return Timed(statistics.median(times), statistics.median(host))
 
 
 def _free_links(ctx: Context) -> Context:
@@ -128,7 +140,7 @@ def _free_links(ctx: Context) -> Context:
     return dataclasses.replace(ctx, topo=dataclasses.replace(ctx.topo, device=device, measured=None))
 
 
-def _platform_step(recipe: Recipe, plan: Plan, device: torch.device) -> float:
+def _platform_step(recipe: Recipe, plan: Plan, device: torch.device) -> Timed:
     """`train_step` on the plan applied with FSDP2, as a worker runs it, on one synthetic batch."""
     model = build_sharded(recipe.model, plan, device, Meshes(device.type, plan.world_size, {}))
     optimizer = build_optimizer(model, recipe.train)
@@ -137,7 +149,7 @@ def _platform_step(recipe: Recipe, plan: Plan, device: torch.device) -> float:
     return _median_step(lambda: train_step(model, optimizer, batches, plan.grad_accum_steps), device)
 
 
-def _hand_step(recipe: Recipe, micro: int, seq_len: int, device: torch.device, compiled: bool = False) -> float:
+def _hand_step(recipe: Recipe, micro: int, seq_len: int, device: torch.device, compiled: bool = False) -> Timed:
     """What a user writes without the platform: the plain module, autocast to bf16, fused AdamW
     (`compiled`: each block through torch.compile, as torchtitan compiles)."""
     model = build_model(recipe.model, str(device))
@@ -176,10 +188,11 @@ def run_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
         backend = "fake"
     dist.init_process_group(backend, rank=0, world_size=world, store=dist.HashStore())
     try:
-        measured = _platform_step(recipe, plan, device)
+        timed = _platform_step(recipe, plan, device)
     finally:
         dist.destroy_process_group()
     tokens = plan.micro_batch_size * plan.grad_accum_steps * plan.seq_len
+    measured = timed.step_s
     shape = model_shape(build_model(recipe.model, "meta"))
     peak = get_preset(recipe.hardware.preset).peak_flops_per_s
     step_parts = _step_parts(ctx, options, plan.micro_batch_size, plan.grad_accum_steps)
@@ -195,6 +208,7 @@ def run_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "predicted_step_s": plan.predicted.step_time_s,
         "predicted_no_comm_step_s": free,
         "measured_step_s": measured,
+        "host_s": timed.host_s,
         "tokens_per_s": tokens / measured,
         "mfu": mfu(tokens / measured, shape.flops_per_token(plan.seq_len), peak),
         "peak_flops_per_s": peak,
@@ -203,7 +217,7 @@ def run_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
     }
     if world == 1:
         _free_cache(device)
-        hand = _hand_step(recipe, plan.micro_batch_size, plan.seq_len, device)
+        hand = _hand_step(recipe, plan.micro_batch_size, plan.seq_len, device).step_s
         row |= {
             "hand_step_s": hand,
             "hand_tokens_per_s": tokens / hand,
@@ -211,7 +225,7 @@ def run_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
         }
         if compile:  # the reference a compiled platform step is also held beside
             _free_cache(device)
-            row["hand_compiled_step_s"] = _hand_step(recipe, plan.micro_batch_size, plan.seq_len, device, True)
+            row["hand_compiled_step_s"] = _hand_step(recipe, plan.micro_batch_size, plan.seq_len, device, True).step_s
     row["case_s"] = time.perf_counter() - started
     return row
 
@@ -231,7 +245,7 @@ def _step_parts(ctx: Context, options: dict[str, Option], batch: int, accum: int
         m = ctx.measured
         parts["probe_forward"] = sum(line.at(batch) for line in m.forward.values())
         parts["probe_backward"] = sum(line.at(batch) for line in m.backward.values())
-        parts["fsdp_s_per_byte"] = m.fsdp_s_per_byte
+        parts["fsdp_s_per_byte"] = {s: m.fsdp_at(s, batch) for s in m.fsdp_s_per_byte}  # at the micro batch
     return parts
 
 
@@ -251,12 +265,12 @@ def markdown(rows: list[dict[str, Any]], command: str) -> list[str]:
         f"MFU = (6N + 12 L d s) x tokens/s / {rows[0]['peak_flops_per_s'] / 1e12:g} TFLOP/s. Targets: {TARGETS}.",
         "",
         "| case | plan | micro | timed on device | predicted s | predicted, no comm s | measured s | error | "
-        "tokens/s | MFU | hand-written tokens/s | MFU | platform / hand |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "host / step | tokens/s | MFU | hand-written tokens/s | MFU | platform / hand |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['case']} | failed: {r['error']} |" + " |" * 11)
+            lines.append(f"| {r['case']} | failed: {r['error']} |" + " |" * 12)
             continue
         hand = r.get("hand_tokens_per_s")
         ratio = f"{r['tokens_per_s'] / hand:.3f}x" if hand else "-"
@@ -264,8 +278,8 @@ def markdown(rows: list[dict[str, Any]], command: str) -> list[str]:
         lines.append(
             f"| {r['case']} | {'+'.join(r['strategies'])} | {r['micro_batch']} | {r['timed_on_device']} | "
             f"{r['predicted_step_s']:.4f} | {r['predicted_no_comm_step_s']:.4f} | {r['measured_step_s']:.4f} | "
-            f"{_error(r):+.1%} | {r['tokens_per_s']:,.0f} | {r['mfu']:.1%} | "
-            f"{hand_cells} | {ratio} |"
+            f"{_error(r):+.1%} | {r['host_s'] / r['measured_step_s']:.0%} | {r['tokens_per_s']:,.0f} | "
+            f"{r['mfu']:.1%} | {hand_cells} | {ratio} |"
         )
     return [*lines, MARKERS[1]]
 

@@ -132,7 +132,8 @@ def measure_blocks(
     compile: bool = False,
 ) -> MeasuredTimes:
     """Per-unit forward and backward lines, the optimizer's seconds per parameter and, on a GPU, what
-    FSDP2 adds per unit and per byte for a rank of `world` (fsdp_probe, on two repeated blocks), block by block."""
+    FSDP2 adds per byte at each timing batch for a rank of `world` (fsdp_probe, on a chain of copies of
+    the largest repeated block), block by block."""
     meta = build("meta")
     dtype = compute_dtype(precision)
     units = [u for u in find_units(meta, seq_len) if u.name != ROOT]
@@ -143,7 +144,7 @@ def measure_blocks(
     sizes = {p: sum(q.numel() for q in m.parameters()) for p, m in modules.items()}
     largest = max(paths, key=sizes.__getitem__)
     probed = _fsdp_probed(paths, sizes)
-    probe_call: Call | None = None
+    probe_calls: dict[int, Call] = {}
     for batch in TIMING_BATCHES:
         calls = _capture(meta, paths, batch, seq_len)
         seconds = {}
@@ -157,7 +158,7 @@ def measure_blocks(
                 timed[key] = _time_module(real, _inputs(calls[path], device, dtype, batch, vocab_size), device)
                 del real
             if path == probed:
-                probe_call = calls[path]
+                probe_calls[batch] = calls[path]
             seconds[path] = timed[key]
         logits = torch.randn(batch, seq_len, vocab_size, device=device, dtype=dtype, requires_grad=True)
         targets = torch.randint(0, vocab_size, (batch, seq_len), device=device)
@@ -174,9 +175,9 @@ def measure_blocks(
     forward = {name: line(ps, 0) for name, ps in charged.items()} | {ROOT: Linear1(0.0, 0.0)}
     backward = {name: line(ps, 1) for name, ps in charged.items()} | {ROOT: Linear1(0.0, 0.0)}
     times = MeasuredTimes(forward, backward, _optimizer_rate(modules[largest], device, optimizer))
-    if device.type != "cuda" or world == 1 or probe_call is None:  # a world of one runs no FSDP2
+    if device.type != "cuda" or world == 1:  # a world of one runs no FSDP2
         return times
-    added = _fsdp_added(modules[probed], probe_call, device, precision, world)
+    added = _fsdp_added(modules[probed], probe_calls, device, precision, world)
     return dataclasses.replace(times, fsdp_s_per_byte=per_byte(added))
 
 
@@ -187,11 +188,13 @@ def _fsdp_probed(paths: list[str], sizes: dict[str, int]) -> str:
     return max(repeated or paths, key=sizes.__getitem__)
 
 
-def _fsdp_added(module: nn.Module, call: Call, device: torch.device, precision: str, world: int) -> dict[str, Added]:
-    """What FSDP2 adds to a chain of CHAIN copies of `module`, each its own unit, at the larger timing
-    batch, for rank 0 of `world`; per byte it is the model's (its inputs are activations: any integer
-    ids among them only need to index a vocabulary of one)."""
-    args, kwargs = _inputs(call, device, compute_dtype(precision), TIMING_BATCHES[-1], 1)
+def _fsdp_added(
+    module: nn.Module, calls: dict[int, Call], device: torch.device, precision: str, world: int
+) -> dict[str, Added]:
+    """What FSDP2 adds to a chain of CHAIN copies of `module`, each its own unit, at each timing batch
+    (`calls`: the module's arguments there), for rank 0 of `world`; per byte it is the model's (its
+    inputs are activations: any integer ids among them only need to index a vocabulary of one)."""
+    inputs = {b: _inputs(calls[b], device, compute_dtype(precision), b, 1) for b in TIMING_BATCHES}
 
     def copies(dtype: torch.dtype) -> Chain:
         return Chain([_materialise(module, device, dtype) for _ in range(CHAIN)])
@@ -199,11 +202,14 @@ def _fsdp_added(module: nn.Module, call: Call, device: torch.device, precision: 
     def sharded(strategy: str, meshes: dict[str, DeviceMesh]) -> nn.Module:
         return shard_chain(copies(torch.float32), strategy, meshes, precision)
 
-    def run(live: nn.Module) -> None:
+    def run(live: nn.Module, batch: int) -> None:
+        args, kwargs = inputs[batch]
         outs = [t for t in tree_leaves(live(*args, **kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
         torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
 
-    plain_s = median_pass(partial(run, copies(compute_dtype(precision))), device)
+    plain = copies(compute_dtype(precision))
+    plain_s = {b: median_pass(partial(run, plain, b), device) for b in TIMING_BATCHES}
+    del plain
     return added_costs(sharded, run, device, world, plain_s)
 
 

@@ -34,8 +34,19 @@ class MeasuredTimes:
     forward: dict[str, Linear1]  # unit -> seconds for its forward at a micro batch
     backward: dict[str, Linear1]
     optimizer_s_per_param: float  # optimizer step time per parameter owned
-    # GPU: strategy -> seconds FSDP2's copies and casts add per parameter byte of a unit (fsdp_probe)
-    fsdp_s_per_byte: dict[str, float] = field(default_factory=dict)
+    # GPU: strategy -> seconds FSDP2 adds per parameter byte of a unit, a line in the micro batch (fsdp_probe)
+    fsdp_s_per_byte: dict[str, Linear1] = field(default_factory=dict)
+
+    def fsdp_at(self, strategy: str, batch: int) -> float:
+        """FSDP2's seconds per parameter byte at a micro batch: measured at both timing batches, a line
+        between them and the nearer measurement outside them. Its host work (hooks, launches) hides
+        behind more compute at a larger batch, so it is not a constant; beyond the measured batches a
+        line would guess."""
+        line = self.fsdp_s_per_byte.get(strategy)
+        if line is None:
+            return 0.0
+        lo, hi = TIMING_BATCHES
+        return max(line.at(min(max(batch, lo), hi)), 0.0)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -47,7 +58,7 @@ class MeasuredTimes:
             {u: Linear1(**line) for u, line in d["forward"].items()},
             {u: Linear1(**line) for u, line in d["backward"].items()},
             d["optimizer_s_per_param"],
-            dict(d["fsdp_s_per_byte"]),
+            {s: Linear1(**line) for s, line in d["fsdp_s_per_byte"].items()},
         )
 
 
@@ -180,7 +191,6 @@ def measure_times(
     from osdp_planners.fsdp_probe import measure_fsdp_costs  # it imports this module
 
     torch.cuda.empty_cache()
-    batch = str(TIMING_BATCHES[-1])
-    plain_s = totals["forward"][batch] + totals["backward"][batch]
+    plain_s = {b: totals["forward"][str(b)] + totals["backward"][str(b)] for b in TIMING_BATCHES}
     costs = measure_fsdp_costs(build, seq_len, vocab_size, device, world, precision, plain_s)
     return dataclasses.replace(times, fsdp_s_per_byte=costs)

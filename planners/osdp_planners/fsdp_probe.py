@@ -4,8 +4,10 @@ so no overlap hides them (the collectives' own time is the time model's link mod
 
 One rank of the pool is run in this process under the fake process group: collectives move nothing,
 so a sharded module's forward+backward over the plain one's is FSDP2's own work. It is measured per
-uniform strategy at the larger timing batch and charged per parameter byte of a unit, since the
-copies and casts grow with the unit's size (without a measurement, nothing). A model that fits the
+uniform strategy at both timing batches and charged per parameter byte of a unit, since the copies
+and casts grow with the unit's size (without a measurement, nothing), at the micro batch: its host
+work (hooks, launches) hides behind the compute of a larger batch (on an H200, a chain of 7b
+attention blocks under ZeRO-2 added 2.7 ms a block at batch 1 and 0.5 ms at batch 4). A model that fits the
 device is measured whole and charged per byte; a larger one on a chain of copies of its largest
 repeated block (block_probe), each copy a unit of its own, as neighbouring blocks are in the model.
 """
@@ -25,11 +27,13 @@ from torch.distributed.fsdp import fully_shard
 
 from osdp_planners.comm_probe import STRATEGIES, probe_meshes, shard_uniform
 from osdp_planners.compute_probe import REPEATS, TIMING_BATCHES, forward_loss, sync
+from osdp_planners.profile import Linear1
 from osdp_planners.runtime import mp_policy
 from osdp_planners.torch_private import register_fake_backend
 from osdp_planners.units import ROOT, find_units
 
 Sharded = Callable[[str, dict[str, DeviceMesh]], nn.Module]  # strategy, meshes -> a sharded module
+Run = Callable[[nn.Module, int], None]  # forward+backward of a module at a timing batch
 
 
 def median_pass(run: Callable[[], None], device: torch.device) -> float:
@@ -60,31 +64,35 @@ def _fake_rank(world: int, device: torch.device) -> Iterator[dict[str, DeviceMes
 
 @dataclass(frozen=True)
 class Added:
-    """What FSDP2 added to one module's forward+backward under a strategy, and the module's parameter bytes."""
+    """What FSDP2 added to one module's forward+backward under a strategy at each timing batch, and the
+    module's parameter bytes."""
 
-    seconds: float
+    seconds: dict[int, float]
     nbytes: int
 
 
 def added_costs(
-    sharded: Sharded, run: Callable[[nn.Module], None], device: torch.device, world: int, plain_s: float
+    sharded: Sharded, run: Run, device: torch.device, world: int, plain_s: dict[int, float]
 ) -> dict[str, Added]:
-    """Seconds each uniform strategy adds to `run` over `plain_s`, for rank 0 of `world`; `sharded` builds
-    the module (fp32 master weights) under a strategy's meshes."""
+    """Seconds each uniform strategy adds to `run` over `plain_s` at each timing batch, for rank 0 of
+    `world`; `sharded` builds the module (fp32 master weights) under a strategy's meshes."""
     costs = {}
     with _fake_rank(world, device) as meshes:
         for strategy in STRATEGIES:
             module = sharded(strategy, meshes)
             nbytes = sum(p.numel() * p.element_size() for p in module.parameters())  # a DTensor's numel is global
-            costs[strategy] = Added(max(median_pass(partial(run, module), device) - plain_s, 0.0), nbytes)
+            seconds = {b: max(median_pass(partial(run, module, b), device) - plain_s[b], 0.0) for b in TIMING_BATCHES}
+            costs[strategy] = Added(seconds, nbytes)
             del module
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return costs
 
 
-def per_byte(added: dict[str, Added]) -> dict[str, float]:
-    return {s: a.seconds / a.nbytes for s, a in added.items()}
+def per_byte(added: dict[str, Added]) -> dict[str, Linear1]:
+    """Each strategy's seconds per byte as a line through its two timing batches."""
+    b1, b2 = TIMING_BATCHES
+    return {s: Linear1.fit(a.seconds[b1] / a.nbytes, a.seconds[b2] / a.nbytes, b1, b2) for s, a in added.items()}
 
 
 def measure_fsdp_costs(
@@ -94,18 +102,18 @@ def measure_fsdp_costs(
     device: torch.device,
     world: int,
     precision: str,
-    plain_s: float,
-) -> dict[str, float]:
-    """The whole model under each uniform strategy against `plain_s` (its plain forward+backward at the
-    larger timing batch)."""
-    x = torch.randint(0, vocab_size, (TIMING_BATCHES[-1], seq_len), device=device)
+    plain_s: dict[int, float],
+) -> dict[str, Linear1]:
+    """The whole model under each uniform strategy against `plain_s` (its plain forward+backward at each
+    timing batch)."""
+    inputs = {b: torch.randint(0, vocab_size, (b, seq_len), device=device) for b in TIMING_BATCHES}
 
     def sharded(strategy: str, meshes: dict[str, DeviceMesh]) -> nn.Module:
         model = build(str(device))
         units = [[model.get_submodule(m) for m in u.modules] for u in find_units(model, seq_len) if u.name != ROOT]
         return shard_uniform(model, units, strategy, meshes, precision)
 
-    return per_byte(added_costs(sharded, lambda m: forward_loss(m, x).backward(), device, world, plain_s))
+    return per_byte(added_costs(sharded, lambda m, b: forward_loss(m, inputs[b]).backward(), device, world, plain_s))
 
 
 class Chain(nn.Module):

@@ -94,7 +94,7 @@ def _profile(build: Builder, req: PlanRequest, structure: str, dtype: torch.dtyp
     return _profiles[key]
 
 
-DEVICE_CACHE_VERSION = 3  # of a cached device measurement (3: FSDP2's cost on a chain of blocks, compile)
+DEVICE_CACHE_VERSION = 4  # of a cached device measurement (4: FSDP2's cost at both timing batches)
 WHOLE_MODEL_FRACTION = 0.5  # of the device's memory the whole-model probe's states may take
 PROBE_BYTES_PER_PARAM = 20  # fp32 weights, gradients and two moments, and the bf16 copy with its gradients
 

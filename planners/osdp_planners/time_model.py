@@ -8,9 +8,9 @@ gloo on CPU blocks, so there they add. Each slice of a split operator is an FSDP
 one more collective latency per gather and per reduction. The optimizer step scales with the
 parameters a rank owns. On CPU pools FSDP2's fixed costs (hooks, per-tensor copies, DTensor dispatch
 in the optimizer) are measured (see comm_probe) and charged per FSDP2 unit and per tensor; on GPUs
-the copies and casts FSDP2 runs on the compute stream are measured per byte (fsdp_probe). A world of
-one runs no FSDP2 but autocast, whose casts cost as much on an H200 (llama 1b: DP's FSDP2 costs, 14 ms,
-charged; autocast's measured 22 ms over the probe's pure-bf16 step), so it is charged DP's.
+the copies and casts FSDP2 runs on the compute stream, and its host work, are measured per byte at
+both timing batches (fsdp_probe). A world of one runs no FSDP2 (runtime.apply), so nothing of it
+is charged there.
 """
 
 from dataclasses import dataclass
@@ -137,7 +137,7 @@ def unit_time(
     fwd, bwd = compute_seconds(profile, unit, batch, topo, measured)
     compute = fwd + bwd + (fwd if opt.checkpoint else 0.0)
     if measured is not None and topo.world_size > 1:  # FSDP2's copies and casts (a world of one has no FSDP2)
-        compute += measured.fsdp_s_per_byte.get(measured_kind(opt), 0.0) * profile.param_bytes[unit]
+        compute += measured.fsdp_at(measured_kind(opt), batch) * profile.param_bytes[unit]
     comm = comm_seconds(profile, unit, opt, topo, compute_bytes)
     total = max(compute, comm) if overlap else compute + comm
     return UnitTime(compute, comm, total)

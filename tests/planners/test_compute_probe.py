@@ -100,7 +100,7 @@ def test_fsdp2_copies_are_charged_per_byte_on_the_compute_stream() -> None:
     ctx = context("llama")
     unit = ctx.profile.units[1].name
     base = MeasuredTimes({unit: Linear1(0.01, 0.0)}, {unit: Linear1(0.02, 0.0)}, 1e-9)
-    costly = dataclasses.replace(base, fsdp_s_per_byte={"zero3": 1e-9, "ddp": 0.0})
+    costly = dataclasses.replace(base, fsdp_s_per_byte={"zero3": Linear1(1e-9, 0.0), "ddp": Linear1(0.0, 0.0)})
     zero3, dp = Option(Strategy.ZERO3, 4), Option(Strategy.DDP, 1)
     nbytes = ctx.profile.param_bytes[unit]
     plain = unit_time(ctx.profile, unit, zero3, 1, ctx.topo, base, 4, True).compute_s
@@ -113,12 +113,32 @@ def test_fsdp2_copies_are_charged_per_byte_on_the_compute_stream() -> None:
     assert unit_time(ctx.profile, unit, zero3, 1, alone, costly, 4, True).compute_s == pytest.approx(0.03)
 
 
+def test_fsdp2_costs_follow_the_micro_batch_between_the_timing_batches() -> None:
+    """FSDP2's host work hides behind a larger batch's compute: its cost per byte is measured at both
+    timing batches and charged at the micro batch, held at the nearer measurement outside them."""
+    ctx = context("llama")
+    unit = ctx.profile.units[1].name
+    b1, b2 = TIMING_BATCHES
+    times = MeasuredTimes(
+        {unit: Linear1(0.0, 0.0)}, {unit: Linear1(0.0, 0.0)}, 0.0, {"zero2": Linear1.fit(4e-12, 1e-12, b1, b2)}
+    )
+    assert times.fsdp_at("zero2", b1) == pytest.approx(4e-12)
+    assert times.fsdp_at("zero2", b2) == pytest.approx(1e-12)
+    assert 1e-12 < times.fsdp_at("zero2", (b1 + b2) // 2) < 4e-12
+    assert times.fsdp_at("zero2", 4 * b2) == pytest.approx(1e-12), "not the line's guess (negative here)"
+    assert times.fsdp_at("zero3", b1) == 0.0, "not measured: nothing"
+    nbytes = ctx.profile.param_bytes[unit]
+    for batch in (b1, b2, 4 * b2):
+        charged = unit_time(ctx.profile, unit, Option(Strategy.ZERO2, 4), batch, ctx.topo, times, 4, True).compute_s
+        assert charged == pytest.approx(times.fsdp_at("zero2", batch) * nbytes)
+
+
 def test_fsdp2_costs_are_measured_for_a_rank_under_the_fake_group() -> None:
     """On CPU FSDP2's hooks cost far more than its copies; the probe runs and finds every strategy adds time."""
     build = ZooModel("llama", 2)
-    costs = measure_fsdp_costs(build, 32, 256, torch.device("cpu"), 4, "bf16-mixed", plain_s=0.0)
+    costs = measure_fsdp_costs(build, 32, 256, torch.device("cpu"), 4, "bf16-mixed", dict.fromkeys(TIMING_BATCHES, 0.0))
     assert set(costs) == {"ddp", "zero2", "zero3"}
-    assert all(c > 0 for c in costs.values())
+    assert all(line.at(b) > 0 for line in costs.values() for b in TIMING_BATCHES)
     assert not torch.distributed.is_initialized(), "the probe's process group is gone"
 
 
@@ -136,13 +156,16 @@ def test_fsdp2_costs_of_a_chain_of_blocks_are_charged_per_byte_of_its_global_siz
         seen.append(sum(p.numel() * p.element_size() for p in chain.parameters()))
         return chain
 
-    def run(chain: nn.Module) -> None:
-        torch.stack(chain(x)).sum().backward()
+    def run(chain: nn.Module, batch: int) -> None:
+        torch.stack(chain(x[:batch])).sum().backward()
 
-    added = added_costs(sharded, run, torch.device("cpu"), 4, plain_s=0.0)
-    assert set(added) == {"ddp", "zero2", "zero3"} and all(a.seconds > 0 for a in added.values())
+    added = added_costs(sharded, run, torch.device("cpu"), 4, dict.fromkeys(TIMING_BATCHES, 0.0))
+    assert set(added) == {"ddp", "zero2", "zero3"}
+    assert all(set(a.seconds) == set(TIMING_BATCHES) and min(a.seconds.values()) > 0 for a in added.values())
     assert seen == [nbytes] * 3 and all(a.nbytes == nbytes for a in added.values())
-    assert per_byte(added)["zero3"] == added["zero3"].seconds / nbytes
+    line = per_byte(added)["zero3"]
+    for b in TIMING_BATCHES:
+        assert line.at(b) == pytest.approx(added["zero3"].seconds[b] / nbytes)
     assert not torch.distributed.is_initialized(), "the probe's process group is gone"
 
 
@@ -154,15 +177,17 @@ def test_the_block_probe_measures_fsdp2_on_a_chain_of_a_decoders_largest_repeate
     sizes = {p: sum(q.numel() for q in meta.get_submodule(p).parameters()) for p in paths}
     probed = _fsdp_probed(paths, sizes)
     assert probed.rsplit(".", 1)[-1] == "mlp", probed
-    call = _capture(meta, [probed], TIMING_BATCHES[-1], 32)[probed]
-    added = _fsdp_added(meta.get_submodule(probed), call, torch.device("cpu"), "fp32", 2)
+    calls = {b: _capture(meta, [probed], b, 32)[probed] for b in TIMING_BATCHES}
+    added = _fsdp_added(meta.get_submodule(probed), calls, torch.device("cpu"), "fp32", 2)
     assert set(added) == {"ddp", "zero2", "zero3"}
+    assert all(set(a.seconds) == set(TIMING_BATCHES) for a in added.values())
     assert {a.nbytes for a in added.values()} == {CHAIN * 4 * sizes[probed]}
 
 
 def test_device_times_survive_the_disk_cache() -> None:
     """A GPU measurement is cached as JSON and read back unchanged (no second probe for the same model)."""
-    times = MeasuredTimes({"a": Linear1(0.5, 0.25)}, {"a": Linear1(1.0, 0.125)}, 3e-9, {"zero3": 4e-12, "ddp": 3e-12})
+    fsdp = {"zero3": Linear1(4e-12, -5e-13), "ddp": Linear1(3e-12, 0.0)}
+    times = MeasuredTimes({"a": Linear1(0.5, 0.25)}, {"a": Linear1(1.0, 0.125)}, 3e-9, fsdp)
     assert MeasuredTimes.from_dict(json.loads(json.dumps(times.to_dict()))) == times
 
 
