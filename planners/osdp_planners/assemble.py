@@ -5,6 +5,8 @@ import json
 from torch import nn
 
 from osdp_planners.choice import Choice
+from osdp_planners.cpu_wait import BUSY_SHARE
+from osdp_planners.disk_cache import cache_dir
 from osdp_planners.evaluate import Context
 from osdp_planners.explanation import Explanation, jsonable
 from osdp_planners.plan import Baseline, Plan, Predicted, UnitPlan
@@ -35,8 +37,16 @@ def make_plan(
 
 
 def _times_from(ctx: Context) -> str:
-    """Planned offline (no device to time on), the plan says its times are the preset's."""
+    """Planned offline (no device to time on), the plan says its times are the preset's; timed on a busy
+    host, it says that its times are slow and how to measure them again."""
     if ctx.measured is not None:
+        comm = ctx.topo.measured
+        waited = max(ctx.measured.cpu_wait_share or 0.0, (comm.cpu_wait_share if comm else None) or 0.0)
+        if waited > BUSY_SHARE:
+            return (
+                f"measured on a busy host (the probe waited {waited:.0%} of its time for a CPU, so its times are "
+                f"slow; to time again, delete the cached measurements in {cache_dir()} and plan on a quiet host)"
+            )
         return "measured"
     device = ctx.topo.device
     return f"preset {device.name}: FLOPs at {device.flops_per_s / 1e12:g} TFLOP/s sustained"

@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from osdp_planners.cpu_wait import WaitMeter
 from osdp_planners.disk_cache import cached
 from osdp_planners.local_ranks import run_ranks, slowest
 from osdp_planners.runtime import make_optimizer, mp_policy
@@ -42,6 +43,7 @@ class CommProfile:
     optimizer_tensor_cost_s: dict[str, float]  # strategy -> seconds a DTensor adds to the optimizer step
     step_fixed_s: float  # seconds FSDP2 adds once per forward+backward (root hooks, lazy state)
     scale: dict[str, float] = field(default_factory=dict)  # strategy -> per-unit costs x this for one model
+    cpu_wait_share: float | None = None  # of the probe's time its busiest rank waited for a CPU (cpu_wait)
 
 
 def _median_time(fn: Callable[[], object], repeats: int = REPEATS) -> float:
@@ -152,6 +154,7 @@ def _fsdp_costs(world: int) -> dict[str, object]:
 
 
 def measure_rank(_rank: int, world: int, _args: list[str]) -> dict[str, Any]:
+    meter = WaitMeter()
     n = LARGE // 4
     full, part = torch.zeros(n), torch.zeros(n // world)
     bus = (world - 1) / world * LARGE
@@ -160,7 +163,8 @@ def measure_rank(_rank: int, world: int, _args: list[str]) -> dict[str, Any]:
         "reduce_scatter": bus / _median_time(lambda: dist.reduce_scatter_tensor(part, full)),
         "all_reduce": 2 * bus / _median_time(lambda: dist.all_reduce(full)),
     }
-    return {"world_size": world, "bandwidth": bandwidth, **_fsdp_costs(world)}
+    costs = _fsdp_costs(world)
+    return {"world_size": world, "bandwidth": bandwidth, **costs, "cpu_wait_share": slowest([meter.share(world)])[0]}
 
 
 def cached_comm(world_size: int) -> CommProfile:

@@ -36,6 +36,7 @@ class MeasuredTimes:
     optimizer_s_per_param: float  # optimizer step time per parameter owned
     # GPU: strategy -> seconds FSDP2 adds per parameter byte of a unit, a line in the micro batch (fsdp_probe)
     fsdp_s_per_byte: dict[str, Linear1] = field(default_factory=dict)
+    cpu_wait_share: float | None = None  # of the probe's time its (busiest) thread waited for a CPU (cpu_wait)
 
     def fsdp_at(self, strategy: str, batch: int) -> float:
         """FSDP2's seconds per parameter byte at a micro batch: measured at both timing batches, a line
@@ -59,6 +60,7 @@ class MeasuredTimes:
             {u: Linear1(**line) for u, line in d["backward"].items()},
             d["optimizer_s_per_param"],
             {s: Linear1(**line) for s, line in d["fsdp_s_per_byte"].items()},
+            d.get("cpu_wait_share"),
         )
 
 

@@ -4,6 +4,7 @@ Every planner (osdp, the uniform baselines, a manual plan file) runs on the same
 predictions are comparable; whatever fails inside reaches the caller as one UserError.
 """
 
+import dataclasses
 import hashlib
 import inspect
 import os
@@ -22,6 +23,7 @@ from osdp_planners.block_probe import measure_blocks
 from osdp_planners.choice import Choice
 from osdp_planners.comm_probe import CommProfile, cached_comm
 from osdp_planners.compute_probe import MeasuredTimes, measure_times
+from osdp_planners.cpu_wait import WaitMeter
 from osdp_planners.disk_cache import PICKLE, cached
 from osdp_planners.errors import UserError, UserErrors
 from osdp_planners.evaluate import Context, evaluate
@@ -120,6 +122,7 @@ def _time_on_device(
     key = hashlib.sha256(f"{shape}|{req.world_size}|{name}".encode()).hexdigest()[:16]
 
     def measure() -> dict[str, Any]:
+        meter = WaitMeter()
         if _whole_model_fits(build, device):
             times = measure_times(
                 build,
@@ -136,7 +139,7 @@ def _time_on_device(
             times = measure_blocks(
                 build, req.seq_len, req.token_range, device, req.precision, req.optimizer, req.world_size, req.compile
             )
-        return times.to_dict()
+        return dataclasses.replace(times, cpu_wait_share=meter.share()).to_dict()
 
     return MeasuredTimes.from_dict(cached(f"device-v{DEVICE_CACHE_VERSION}", key, measure))
 

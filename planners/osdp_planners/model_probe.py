@@ -30,6 +30,7 @@ from osdp_planners.compute_probe import (
     measure_totals,
     share_by_flops,
 )
+from osdp_planners.cpu_wait import WaitMeter
 from osdp_planners.disk_cache import cached
 from osdp_planners.local_ranks import run_ranks, slowest
 from osdp_planners.options import Option
@@ -83,13 +84,14 @@ def measure_rank(_rank: int, world: int, args: list[str]) -> dict[str, Any]:
     with open(args[0], "rb") as f:
         build, seq_len, vocab_size, train = cloudpickle.load(f)
     torch.manual_seed(0)
+    meter = WaitMeter()
     model = build("cpu")
     cpu = torch.device("cpu")
     totals = measure_totals(
         model, seq_len, vocab_size, cpu, dist.barrier, slowest, train.precision, train.optimizer, train.compile
     )
     overheads = _overheads(model, build, seq_len, vocab_size, world, train) if world > 1 else None
-    return {"totals": totals, "overheads": overheads}
+    return {"totals": totals, "overheads": overheads, "cpu_wait_share": slowest([meter.share(world)])[0]}
 
 
 def measure_on_ranks(
@@ -115,7 +117,8 @@ def measure_on_ranks(
             lambda: run_ranks("osdp_planners.model_probe:measure_rank", ranks, [f.name]),
         )
     overheads = ModelOverheads(**result["overheads"]) if result["overheads"] else None
-    return share_by_flops(result["totals"], flops), overheads
+    times = dataclasses.replace(share_by_flops(result["totals"], flops), cpu_wait_share=result.get("cpu_wait_share"))
+    return times, overheads
 
 
 def calibrate(

@@ -43,7 +43,8 @@ class Predicted(_Strict):
     reserved_memory_bytes: int | None = None  # what the caching allocator holds then (the budget checks this)
     step_time_s: float | None = None
     throughput_samples_per_s: float | None = None
-    # where compute times came from: "measured" on the pool's device, or "preset <name>" (FLOPs over its rate)
+    # where compute times came from: "measured" on the pool's device (saying so if the host was busy),
+    # or "preset <name>" (FLOPs over its rate)
     times_from: str | None = None
 
 

@@ -122,5 +122,6 @@ def test_model_probe_times_the_model_on_real_ranks_and_caches_it(
     assert sum(line.at(4) for line in times.forward.values()) > 0
     assert sum(line.at(4) for line in times.backward.values()) > 0 and times.optimizer_s_per_param > 0
     assert len(list(tmp_path.glob("model-*-r2.json"))) == 1
+    assert times.cpu_wait_share is not None and 0.0 <= times.cpu_wait_share <= 1.0, "the probe records its host's load"
     again, cached = measure_on_ranks(build, 32, 256, flops, 2, "llama-tiny-2")
     assert again == times and cached == overheads  # read back, not measured again (noise would differ)

@@ -91,8 +91,10 @@ def comparison(result: PlanResult) -> str:
         f"{_fmt_bytes(plan.memory_limit_bytes or 0)}{usable}, step {pred.step_time_s or 0:.4f} s, "
         f"{pred.throughput_samples_per_s or 0:.2f} samples/s"
     )
-    if pred.times_from and pred.times_from != "measured":
+    if pred.times_from and pred.times_from.startswith("preset"):
         head += f" (times from the {pred.times_from}, not measured)"
+    elif pred.times_from and pred.times_from != "measured":
+        head += f" (times {pred.times_from})"
     fitting = {k: b for k, b in plan.baselines.items() if b.fits and b.throughput_samples_per_s}
     if not fitting:
         return f"{head}; no uniform plan fits"
