@@ -74,10 +74,10 @@ def _turn(live: _Live, steps: int, probes: set[int], rank: int, world: int) -> l
         def one_step(step: int = live.done, losses: list[float] = losses) -> None:
             losses.append(float(state.step(step, rank, world)))
 
-        times, peaks, peak = timed_step(state.model, state.optimizer, one_step, torch.device("cpu"), world, i in probes)
+        timing = timed_step(state.model, state.optimizer, one_step, torch.device("cpu"), world, i in probes)
         record.append(
-            {"step_time_s": max(times), "loss": losses[0]}
-            | ({"peak_memory_bytes": max(peaks)} if peak is not None else {})
+            {"step_time_s": max(timing.times), "loss": losses[0]}
+            | ({"peak_memory_bytes": max(timing.peaks)} if timing.peak is not None else {})
         )
         live.done += 1
     return record

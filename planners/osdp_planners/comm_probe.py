@@ -24,7 +24,7 @@ from torch.distributed.fsdp import fully_shard
 
 from osdp_planners.cpu_wait import WaitMeter
 from osdp_planners.disk_cache import cached
-from osdp_planners.local_ranks import run_ranks, slowest
+from osdp_planners.local_ranks import busiest_wait, run_ranks, slowest
 from osdp_planners.runtime import make_optimizer, mp_policy
 
 LARGE = 4 << 20  # bytes of the bandwidth probes
@@ -164,7 +164,7 @@ def measure_rank(_rank: int, world: int, _args: list[str]) -> dict[str, Any]:
         "all_reduce": 2 * bus / _median_time(lambda: dist.all_reduce(full)),
     }
     costs = _fsdp_costs(world)
-    return {"world_size": world, "bandwidth": bandwidth, **costs, "cpu_wait_share": slowest([meter.share(world)])[0]}
+    return {"world_size": world, "bandwidth": bandwidth, **costs, "cpu_wait_share": busiest_wait(meter, world)}
 
 
 def cached_comm(world_size: int) -> CommProfile:

@@ -19,12 +19,12 @@ SCHEDSTAT = Path("/proc/thread-self/schedstat")
 BUSY_SHARE = 0.25  # a probe whose ranks waited longer than this share of its time for a CPU is slow
 
 
-def run_queue_wait_s() -> float:
-    """Seconds this thread has spent runnable and waiting for a CPU; 0 where the kernel does not say."""
+def run_queue_wait_s() -> float | None:
+    """Seconds this thread has spent runnable and waiting for a CPU; None where the kernel does not say."""
     try:
         return int(SCHEDSTAT.read_text().split()[1]) / 1e9
     except (OSError, IndexError, ValueError):
-        return 0.0
+        return None
 
 
 class WaitMeter:
@@ -33,9 +33,10 @@ class WaitMeter:
     def __init__(self) -> None:
         self._waited, self._started = run_queue_wait_s(), time.perf_counter()
 
-    def share(self, ranks: int = 1) -> float:
+    def share(self, ranks: int = 1) -> float | None:
         """Of the time since, what this thread waited beyond the 1 - cores/ranks that `ranks` busy
-        processes on this host's cores wait for each other."""
-        wall = time.perf_counter() - self._started
-        waited = (run_queue_wait_s() - self._waited) / wall if wall > 0 else 0.0
-        return max(waited - max(1 - (os.cpu_count() or 1) / ranks, 0.0), 0.0)
+        processes on this host's cores wait for each other (None where the kernel does not say)."""
+        now, wall = run_queue_wait_s(), time.perf_counter() - self._started
+        if now is None or self._waited is None or wall <= 0:
+            return None
+        return max((now - self._waited) / wall - max(1 - (os.cpu_count() or 1) / ranks, 0.0), 0.0)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from osdp_planners.cpu_wait import WaitMeter
 from osdp_planners.errors import UserError
 
 TIMEOUT_S = 300
@@ -107,3 +108,11 @@ def slowest(seconds: list[float]) -> list[float]:
     t = torch.tensor(seconds, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
+
+
+def busiest_wait(meter: WaitMeter, ranks: int) -> float | None:
+    """The largest share of its time any rank waited for a CPU beyond what the ranks cause each other
+    (cpu_wait); None where the kernel does not say."""
+    share = meter.share(ranks)
+    busiest = slowest([-1.0 if share is None else share])[0]
+    return None if busiest < 0 else busiest

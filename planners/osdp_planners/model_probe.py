@@ -32,7 +32,7 @@ from osdp_planners.compute_probe import (
 )
 from osdp_planners.cpu_wait import WaitMeter
 from osdp_planners.disk_cache import cached
-from osdp_planners.local_ranks import run_ranks, slowest
+from osdp_planners.local_ranks import busiest_wait, run_ranks, slowest
 from osdp_planners.options import Option
 from osdp_planners.plan import Strategy
 from osdp_planners.profile import ModelProfile
@@ -91,7 +91,7 @@ def measure_rank(_rank: int, world: int, args: list[str]) -> dict[str, Any]:
         model, seq_len, vocab_size, cpu, dist.barrier, slowest, train.precision, train.optimizer, train.compile
     )
     overheads = _overheads(model, build, seq_len, vocab_size, world, train) if world > 1 else None
-    return {"totals": totals, "overheads": overheads, "cpu_wait_share": slowest([meter.share(world)])[0]}
+    return {"totals": totals, "overheads": overheads, "cpu_wait_share": busiest_wait(meter, world)}
 
 
 def measure_on_ranks(

@@ -15,6 +15,7 @@ from ray.train.torch import TorchTrainer
 from ray.util.queue import Queue
 
 from helpers import RECIPES
+from osdp_planners.cpu_wait import SCHEDSTAT
 from osdp_planners.plan import Plan
 from osdp_platform.driver.cli import EXIT_USER_ERROR, main
 from osdp_platform.driver.submit import submit
@@ -52,12 +53,10 @@ def _losses_per_planner(config: dict[str, Any]) -> None:
             def one_step(state: WorkerState = state, step: int = step, mean: torch.Tensor = mean) -> None:
                 mean.copy_(state.step(step, rank, world))
 
-            _times, rank_peaks, _peak = timed_step(
-                state.model, state.optimizer, one_step, torch.device("cpu"), world, probe=True
-            )
+            timing = timed_step(state.model, state.optimizer, one_step, torch.device("cpu"), world, probe=True)
             torch.distributed.all_reduce(mean)
             losses.append(float(mean) / world)
-            peaks.append(int(max(rank_peaks)))
+            peaks.append(int(max(timing.peaks)))
         out[name] = (losses, peaks)
     if rank == 0:
         config["results"].put(out)
@@ -173,6 +172,10 @@ def test_submit_tracks_run_in_mlflow(ray_cluster: None, workdir: Path, monkeypat
         assert step_max.value == max(r0.value, r1.value)
     loss = [m.value for m in client.get_metric_history(summary.run_id, "loss")]
     assert loss[-1] < loss[0]
+    if SCHEDSTAT.exists():  # Linux says how long each rank's step waited for a CPU
+        waits = client.get_metric_history(summary.run_id, "cpu_wait_share")
+        assert [m.step for m in waits] == list(range(steps)) and all(0.0 <= m.value <= 1.0 for m in waits)
+        assert 0.0 <= logged["measured_cpu_wait_share"] <= 1.0
 
 
 def test_a_plan_that_does_not_fit_reaches_the_user_from_the_planner_actor(

@@ -74,6 +74,9 @@ class RunSummary:
         out[Metric.MEASURED_THROUGHPUT] = self.plan.global_batch_size / out[Metric.MEASURED_STEP_TIME]
         if peaks:
             out[Metric.MEASURED_PEAK_MEMORY] = max(peaks)
+        waits = [s["cpu_wait_share"] for s in timed if "cpu_wait_share" in s]
+        if waits:  # a slow step beside a high share was slowed by its host, not by its plan
+            out[Metric.MEASURED_CPU_WAIT] = statistics.median(waits)
         pred = self.plan.predicted
         if pred.step_time_s:
             out[Metric.STEP_TIME_RATIO] = out[Metric.MEASURED_STEP_TIME] / pred.step_time_s

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
+from osdp_planners.cpu_wait import WaitMeter
 from osdp_planners.hardware import get_preset
 from osdp_planners.local_ranks import pin_to_core
 from osdp_planners.mfu import mfu, model_shape
@@ -40,11 +41,14 @@ class StepMetrics:
     rank_step_time_s: list[float] = field(default_factory=list)
     rank_peak_memory_bytes: list[float] = field(default_factory=list)
     mfu: float | None = None  # GPU runs: per-device model FLOPs over the preset's peak (osdp_planners.mfu)
+    cpu_wait_share: float | None = None  # the most any rank's step waited for a CPU (cpu_wait); None: unknown
 
     def as_dict(self) -> dict[str, float]:
         out = {"loss": self.loss, "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s}
         if self.mfu is not None:
             out["mfu"] = self.mfu
+        if self.cpu_wait_share is not None:
+            out["cpu_wait_share"] = self.cpu_wait_share
         if self.peak_memory_bytes is not None:
             out["peak_memory_bytes"] = float(self.peak_memory_bytes)
         if self.reserved_memory_bytes is not None:
@@ -75,12 +79,23 @@ class WorkerConfig(BaseModel):
     elastic: bool = False  # after each checkpoint, stop if the driver asks to resize the group (driver/elastic.py)
 
 
-def _per_rank(elapsed: float, peak: int | None, world: int, device: torch.device) -> tuple[list[float], list[float]]:
-    """Every rank's step time and peak memory (a straggler or an unbalanced shard shows up here)."""
-    mine = torch.tensor([elapsed, float(peak or 0)], dtype=torch.float64, device=device)
+@dataclass(frozen=True)
+class StepTiming:
+    """One step as every rank saw it. Its time is the slowest rank's (`max(times)`): the others wait
+    for it at the next collective."""
+
+    times: list[float]  # each rank's seconds
+    peaks: list[float]  # each rank's peak memory in bytes (0 on a step without a memory probe)
+    peak: int | None  # this rank's peak, None unprobed
+    cpu_wait_share: float | None  # the most any rank waited for a CPU, as a share of its step; None: unknown
+
+
+def _per_rank(values: list[float], world: int, device: torch.device) -> list[list[float]]:
+    """Each of this rank's `values` as every rank has it (a straggler or an unbalanced shard shows up here)."""
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
     gathered = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine)
-    return [float(t[0]) for t in gathered], [float(t[1]) for t in gathered]
+    return [[float(t[i]) for t in gathered] for i in range(len(values))]
 
 
 def timed_step(
@@ -90,21 +105,25 @@ def timed_step(
     device: torch.device,
     world: int,
     probe: bool,
-) -> tuple[list[float], list[float], int | None]:
-    """Run one step from a barrier: every rank's time and peak memory, and this rank's peak (None unprobed).
+    cpu_ranks: int = 1,
+) -> StepTiming:
+    """Run one step from a barrier, timed on every rank, with its peak memory where `probe`.
 
-    The step's time is the slowest rank's (`max` of the first list): the others wait for it at the
-    next collective. The benchmarks time plans with this same function.
+    How long each rank's thread waited for a CPU is measured beyond what `cpu_ranks` processes
+    sharing this host's cores cause each other (a CPU pool's workers of one node). The benchmarks
+    time plans with this same function.
     """
     dist.barrier()
+    meter = WaitMeter()
     start = time.perf_counter()
     peak = measure_step_peak(model, optimizer, one_step, device) if probe else None
     if peak is None:
         one_step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    times, peaks = _per_rank(time.perf_counter() - start, peak, world, device)
-    return times, peaks, peak
+    elapsed, waited = time.perf_counter() - start, meter.share(cpu_ranks)
+    times, peaks, waits = _per_rank([elapsed, float(peak or 0), -1.0 if waited is None else waited], world, device)
+    return StepTiming(times, peaks, peak, None if min(waits) < 0 else max(waits))
 
 
 def _reduce(value: float, op: dist.ReduceOp.RedOpType, device: torch.device) -> float:
@@ -154,6 +173,7 @@ def train_loop(config: dict[str, Any], before_step: Callable[[int], None] | None
     tokens_per_step = plan.global_batch_size * plan.seq_len
     flops_per_token = model_shape(model).flops_per_token(plan.seq_len)
     peak_flops = get_preset(recipe.hardware.preset).peak_flops_per_s if device.type == "cuda" else None
+    cpu_ranks = ctx.get_local_world_size() if device.type == "cpu" else 1
 
     for step in range(first, recipe.train.steps):
         if before_step is not None:
@@ -164,20 +184,22 @@ def train_loop(config: dict[str, Any], before_step: Callable[[int], None] | None
             nonlocal loss
             loss = float(state.step(step, rank, world))
 
-        times, peaks, peak = timed_step(model, optimizer, one_step, device, world, step in probes)
+        timing = timed_step(model, optimizer, one_step, device, world, step in probes, cpu_ranks)
+        peak = timing.peak
         reserved = reserved_peak(device) if peak is not None else None
         ended_ms = int(time.time() * 1000)  # MLflow shows when the step ran, not when the driver wrote it
-        elapsed = max(times)
+        elapsed = max(timing.times)
         metrics = StepMetrics(
             step=step,
             loss=_reduce(loss, dist.ReduceOp.SUM, device) / world,
             step_time_s=elapsed,
             tokens_per_s=tokens_per_step / elapsed,
-            peak_memory_bytes=int(max(peaks)) if peak is not None else None,
+            peak_memory_bytes=int(max(timing.peaks)) if peak is not None else None,
             reserved_memory_bytes=None if reserved is None else int(_reduce(reserved, dist.ReduceOp.MAX, device)),
-            rank_step_time_s=times,
-            rank_peak_memory_bytes=peaks if peak is not None else [],
+            rank_step_time_s=timing.times,
+            rank_peak_memory_bytes=timing.peaks if peak is not None else [],
             mfu=mfu(tokens_per_step / elapsed / world, flops_per_token, peak_flops) if peak_flops else None,
+            cpu_wait_share=timing.cpu_wait_share,
         )
         if sender is not None:
             sender.send(StepReport(step, ended_ms, metrics.as_dict()))

@@ -56,6 +56,7 @@ class Metric(StrEnum):
     MEASURED_RESERVED_MEMORY = "measured_reserved_memory_bytes"
     MEASURED_STEP_TIME = "measured_step_time_s"
     MEASURED_THROUGHPUT = "measured_throughput_samples_per_s"
+    MEASURED_CPU_WAIT = "measured_cpu_wait_share"  # of a steady step, the most a rank waited for a CPU
     PEAK_MEMORY_RATIO = "peak_memory_ratio"  # measured / predicted
     RESERVED_MEMORY_RATIO = "reserved_memory_ratio"
     STEP_TIME_RATIO = "step_time_ratio"
