@@ -205,6 +205,7 @@ def run_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "micro_batch": plan.micro_batch_size,
         "seq_len": plan.seq_len,
         "timed_on_device": ctx.measured is not None,
+        "probe_cpu_wait_share": ctx.measured.cpu_wait_share if ctx.measured else None,  # a busy host's probe is slow
         "predicted_step_s": plan.predicted.step_time_s,
         "predicted_no_comm_step_s": free,
         "measured_step_s": measured,

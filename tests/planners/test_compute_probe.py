@@ -2,6 +2,7 @@
 
 import copy
 import dataclasses
+import importlib
 import json
 import subprocess
 import sys
@@ -93,6 +94,20 @@ def test_the_gpu_check_imports_neither_ray_nor_mlflow() -> None:
     benchmarks = REPO / "benchmarks"  # `python -c` imports from its cwd
     out = subprocess.run([sys.executable, "-c", code], cwd=benchmarks, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_gpu_check_writes_a_gpu_probes_step_parts_as_json(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What only a GPU probe measures (FSDP2's cost lines) reaches the check's JSON as numbers at the micro batch."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    gpu_check = importlib.import_module("gpu_check")
+    ctx = context("llama")
+    lines = {u.name: Linear1(0.01, 0.001) for u in ctx.profile.units}
+    fsdp = {"zero3": Linear1.fit(4e-12, 1e-12, *TIMING_BATCHES)}
+    gpu = dataclasses.replace(ctx, measured=MeasuredTimes(lines, lines, 1e-9, fsdp, cpu_wait_share=0.05))
+    options = {u.name: Option(Strategy.ZERO3, 4) for u in ctx.profile.units}
+    parts = json.loads(json.dumps(gpu_check._step_parts(gpu, options, 1, 2)))
+    assert parts["fsdp_s_per_byte"] == {"zero3": pytest.approx(4e-12)}
+    assert parts["compute"] > 2 * sum(line.at(1) * 2 for line in lines.values())  # two micro batches, FSDP2 on top
 
 
 def test_fsdp2_copies_are_charged_per_byte_on_the_compute_stream() -> None:
