@@ -91,7 +91,7 @@ def main() -> None:
             "+".join(r["strategies"]),
             f"{r['predicted_step_s']:.4f}",
             f"{r['predicted_step_s'] / measured:.2f}",
-            r["times_from"].split(" (")[0],  # the whole sentence is in the JSON
+            r["times_from"].split(":")[0],  # the whole sentence is in the JSON
         )
     Console().print(table)
 

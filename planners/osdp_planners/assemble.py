@@ -44,8 +44,8 @@ def _times_from(ctx: Context) -> str:
         waited = max(ctx.measured.cpu_wait_share or 0.0, (comm.cpu_wait_share if comm else None) or 0.0)
         if waited > BUSY_SHARE:
             return (
-                f"measured on a busy host (the probe waited {waited:.0%} of its time for a CPU, so its times are "
-                f"slow; to time again, delete the cached measurements in {cache_dir()} and plan on a quiet host)"
+                f"measured on a busy host: the probe waited {waited:.0%} of its time for a CPU, so its times are "
+                f"slow; to time again, delete the cached measurements in {cache_dir()} and plan on a quiet host"
             )
         return "measured"
     device = ctx.topo.device
