@@ -153,16 +153,22 @@ def _fsdp_costs(world: int) -> dict[str, object]:
     }
 
 
-def measure_rank(_rank: int, world: int, _args: list[str]) -> dict[str, Any]:
-    meter = WaitMeter()
-    n = LARGE // 4
-    full, part = torch.zeros(n), torch.zeros(n // world)
-    bus = (world - 1) / world * LARGE
-    bandwidth = {
+def bandwidths(world: int) -> dict[str, float]:
+    """Bus bytes per second of each collective on about LARGE bytes: every rank's part the same size,
+    the whole `world` parts (a world that does not divide LARGE's floats, 3 or 6, gathers a few less)."""
+    part = torch.zeros(LARGE // 4 // world)
+    full = torch.zeros(part.numel() * world)
+    bus = (world - 1) / world * full.numel() * full.element_size()
+    return {
         "all_gather": bus / _median_time(lambda: dist.all_gather_into_tensor(full, part)),
         "reduce_scatter": bus / _median_time(lambda: dist.reduce_scatter_tensor(part, full)),
         "all_reduce": 2 * bus / _median_time(lambda: dist.all_reduce(full)),
     }
+
+
+def measure_rank(_rank: int, world: int, _args: list[str]) -> dict[str, Any]:
+    meter = WaitMeter()
+    bandwidth = bandwidths(world)
     costs = _fsdp_costs(world)
     return {"world_size": world, "bandwidth": bandwidth, **costs, "cpu_wait_share": busiest_wait(meter, world)}
 
