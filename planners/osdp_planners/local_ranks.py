@@ -42,12 +42,12 @@ def run_ranks(target: str, world: int, args: list[str]) -> dict[str, Any]:
         # the caller's import path, so a model defined in the caller's modules unpickles there too
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         entry = "from osdp_planners.local_ranks import rank_main; rank_main()"
-        procs = [
-            subprocess.Popen(
-                [sys.executable, "-c", entry, target, str(rank), str(world), port, str(out), *args], cwd=tmp, env=env
-            )
-            for rank in range(world)
-        ]
+        errs = [Path(tmp) / f"rank{rank}.err" for rank in range(world)]
+        procs = []
+        for rank, err in enumerate(errs):
+            with err.open("w") as stderr:  # the child keeps its own handle
+                argv = [sys.executable, "-c", entry, target, str(rank), str(world), port, str(out), *args]
+                procs.append(subprocess.Popen(argv, cwd=tmp, env=env, stderr=stderr))
         try:
             codes = [p.wait(timeout=TIMEOUT_S) for p in procs]
         except subprocess.TimeoutExpired:
@@ -63,7 +63,9 @@ def run_ranks(target: str, world: int, args: list[str]) -> dict[str, Any]:
         # rank 0 writes OUT only after every rank's last collective: a peer that fails after that (gloo
         # has aborted a rank in teardown, exit -6, once in a CI run) measured all the same
         if codes[0] != 0 or not out.is_file():
-            raise RuntimeError(f"measuring on {world} local ranks ({target}) failed (exit codes {codes})")
+            raise RuntimeError(
+                f"measuring on {world} local ranks ({target}) failed (exit codes {codes}){_why(errs, codes)}"
+            )
         result: dict[str, Any] = json.loads(out.read_text())
         return result
 
@@ -81,6 +83,20 @@ def pin_to_core(index: int, peers: int) -> None:
     cores = sorted(os.sched_getaffinity(0))
     if peers <= len(cores):
         os.sched_setaffinity(0, {cores[index]})
+
+
+def _why(errs: list[Path], codes: list[int]) -> str:
+    """The last line the first rank to fail wrote to stderr (where Python and torch put the error; the
+    others then fail at their next collective, their peer gone), for the message; every rank's whole
+    stderr goes on to this process's, for the logs."""
+    for err in errs:
+        sys.stderr.write(err.read_text(errors="replace"))
+    failed = sorted((err.stat().st_mtime_ns, err) for err, code in zip(errs, codes, strict=True) if code != 0)
+    for _, err in failed or [(0, e) for e in errs]:
+        lines = [line.strip() for line in err.read_text(errors="replace").splitlines() if line.strip()]
+        if lines:
+            return f": {lines[-1][:300]}"
+    return ""
 
 
 def rank_main() -> None:
