@@ -7,6 +7,7 @@ started as plain subprocesses (multiprocessing's spawn would re-import the calle
 
 import importlib
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -23,6 +24,7 @@ from osdp_planners.cpu_wait import WaitMeter
 from osdp_planners.errors import UserError
 
 TIMEOUT_S = 300
+log = logging.getLogger(__name__)
 
 
 def _free_port() -> int:
@@ -63,8 +65,14 @@ def run_ranks(target: str, world: int, args: list[str]) -> dict[str, Any]:
         # rank 0 writes OUT only after every rank's last collective: a peer that fails after that (gloo
         # has aborted a rank in teardown, exit -6, once in a CI run) measured all the same
         if codes[0] != 0 or not out.is_file():
-            raise RuntimeError(
-                f"measuring on {world} local ranks ({target}) failed (exit codes {codes}){_why(errs, codes)}"
+            raise UserError(
+                "hardware.workers_per_node",
+                world,
+                f"the planner's probe of {world} concurrent ranks on this host ({target}) failed (exit codes "
+                f"{codes}){_why(errs, codes)}",
+                "the rank's error after the exit codes names the cause: in the model's own code, see the "
+                "README's 'Your own model'; otherwise another number of workers per node may plan, and this "
+                "message is one for the platform's maintainers",
             )
         result: dict[str, Any] = json.loads(out.read_text())
         return result
@@ -87,10 +95,11 @@ def pin_to_core(index: int, peers: int) -> None:
 
 def _why(errs: list[Path], codes: list[int]) -> str:
     """The last line the first rank to fail wrote to stderr (where Python and torch put the error; the
-    others then fail at their next collective, their peer gone), for the message; every rank's whole
-    stderr goes on to this process's, for the logs."""
-    for err in errs:
-        sys.stderr.write(err.read_text(errors="replace"))
+    others then fail at their next collective, their peer gone), for the message. Every rank's whole
+    stderr goes to this module's logger at debug level: `plan` probes in the CLI's own process, and a
+    user's mistake is one message, not a page of tracebacks."""
+    for rank, err in enumerate(errs):
+        log.debug("rank %d of the probe wrote:\n%s", rank, err.read_text(errors="replace"))
     failed = sorted((err.stat().st_mtime_ns, err) for err, code in zip(errs, codes, strict=True) if code != 0)
     for _, err in failed or [(0, e) for e in errs]:
         lines = [line.strip() for line in err.read_text(errors="replace").splitlines() if line.strip()]

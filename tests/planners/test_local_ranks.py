@@ -1,7 +1,10 @@
 """A probe's rank that fails says why, in the error that reaches the user."""
 
+import pickle
+
 import pytest
 
+from osdp_planners.errors import UserError
 from osdp_planners.local_ranks import run_ranks
 
 
@@ -13,8 +16,9 @@ def failing_rank(rank: int, _world: int, _args: list[str]) -> dict[str, float]:
 
 
 def test_a_failed_rank_names_its_error() -> None:
-    with pytest.raises(RuntimeError) as failed:
+    with pytest.raises(UserError) as failed:
         run_ranks(f"{__name__}:failing_rank", 2, [])
-    message = str(failed.value)
-    assert "failed (exit codes [" in message
-    assert "ValueError: invalid tensor size at index 0 (expected 349525, got 349526)" in message
+    error = pickle.loads(pickle.dumps(failed.value))  # as it crosses Ray from the planner actor
+    assert error.field == "hardware.workers_per_node" and error.value == 2
+    assert "failed (exit codes [" in error.problem and "fix:" in str(error)
+    assert "ValueError: invalid tensor size at index 0 (expected 349525, got 349526)" in error.problem
