@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from osdp_planners.compute_probe import sync
 from osdp_planners.evaluate import Context, evaluate
 from osdp_planners.hardware import LinkSpec, get_preset
 from osdp_planners.loss import lm_loss, logits_of
@@ -97,11 +98,6 @@ def _recipe(size: str, world: int, planner: str, micro: int, compile: bool, args
     )
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _free_cache(device: torch.device) -> None:
     """Hand the last model's blocks back, so that the next one starts from the same allocator state."""
     if device.type == "cuda":
@@ -110,9 +106,8 @@ def _free_cache(device: torch.device) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Timed:
-    """Median seconds of a step, and of its host part: until the step's call returns, before the device
-    is waited for. A host part close to the step means the device waited on the host (launches, FSDP2's
-    hooks), so the step follows the host's speed, not the GPU's."""
+    """Median seconds of a step, and of its host part (until its call returns, before the device is waited
+    for): a host part close to the step means the step follows the host's speed, not the GPU's."""
 
     step_s: float
     host_s: float
@@ -122,11 +117,11 @@ def _median_step(step: Callable[[], object], device: torch.device) -> Timed:
     """Median seconds of a step after warm-up (the optimizer's states appear at the first)."""
     times, host = [], []
     for i in range(WARMUP + STEPS):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         step()
         t1 = time.perf_counter()
-        _sync(device)
+        sync(device)
         if i >= WARMUP:
             times.append(time.perf_counter() - t0)
             host.append(t1 - t0)
