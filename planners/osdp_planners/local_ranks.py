@@ -98,11 +98,12 @@ def _why(errs: list[Path], codes: list[int]) -> str:
     others then fail at their next collective, their peer gone), for the message. Every rank's whole
     stderr goes to this module's logger at debug level: `plan` probes in the CLI's own process, and a
     user's mistake is one message, not a page of tracebacks."""
-    for rank, err in enumerate(errs):
-        log.debug("rank %d of the probe wrote:\n%s", rank, err.read_text(errors="replace"))
-    failed = sorted((err.stat().st_mtime_ns, err) for err, code in zip(errs, codes, strict=True) if code != 0)
-    for _, err in failed or [(0, e) for e in errs]:
-        lines = [line.strip() for line in err.read_text(errors="replace").splitlines() if line.strip()]
+    texts = [err.read_text(errors="replace") for err in errs]
+    for rank, text in enumerate(texts):
+        log.debug("rank %d of the probe wrote:\n%s", rank, text)
+    failed = [rank for rank, code in enumerate(codes) if code != 0] or list(range(len(errs)))
+    for rank in sorted(failed, key=lambda r: errs[r].stat().st_mtime_ns):
+        lines = [line.strip() for line in texts[rank].splitlines() if line.strip()]
         if lines:
             return f": {lines[-1][:300]}"
     return ""
