@@ -247,6 +247,7 @@ def _step_parts(ctx: Context, options: dict[str, Option], batch: int, accum: int
         parts["probe_forward"] = sum(line.at(batch) for line in m.forward.values())
         parts["probe_backward"] = sum(line.at(batch) for line in m.backward.values())
         parts["fsdp_s_per_byte"] = {s: m.fsdp_at(s, batch) for s in m.fsdp_s_per_byte}  # at the micro batch
+        parts["optimizer_tensor_cost_s"] = m.optimizer_tensor_cost_s
     return parts
 
 

@@ -6,12 +6,11 @@ parameter shapes and argument shapes: the blocks of a decoder are one) is then b
 device, in the compute dtype, fed random arguments of those shapes, and timed forward and backward
 at both timing batches; every unit is charged its modules' times, and the loss on the logits is timed
 on its own and charged to the last unit. The optimizer's rate per parameter comes from the largest
-distinct module; on a GPU what FSDP2's copies and casts add per byte (fsdp_probe), from a chain of
-copies of the largest repeated block. Nothing larger than a few blocks is ever on the device.
+distinct module; on a GPU what FSDP2 adds (fsdp_probe), from a chain of copies of one layer (one
+unit of each kind that repeats). Nothing larger than a few layers is ever on the device.
 """
 
 import copy
-import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -22,16 +21,24 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from osdp_planners.compute_probe import REPEATS, TIMING_BATCHES, MeasuredTimes, sync
-from osdp_planners.fsdp_probe import Added, Chain, added_costs, median_pass, per_byte, shard_chain
+from osdp_planners.comm_probe import shard_uniform
+from osdp_planners.compute_probe import (
+    REPEATS,
+    TIMING_BATCHES,
+    MeasuredTimes,
+    device_memory,
+    median_step,
+    probe_fits,
+    sync,
+)
+from osdp_planners.fsdp_probe import Added, Call, Chain, added_costs, charge, median_pass
 from osdp_planners.loss import lm_loss
 from osdp_planners.profile import Linear1
 from osdp_planners.runtime import compile_units, compute_dtype, make_optimizer
 from osdp_planners.torch_private import tree_leaves, tree_map
-from osdp_planners.units import ROOT, find_units
+from osdp_planners.units import ROOT, Unit, find_units
 
-Call = tuple[tuple[Any, ...], dict[str, Any]]
-CHAIN = 4  # copies of a block FSDP2's costs are measured on (fsdp_probe.Chain)
+CHAIN = 4  # copies of a layer FSDP2's costs are measured on (fsdp_probe.Chain), at most
 
 
 def _capture(model: nn.Module, paths: list[str], batch: int, seq_len: int) -> dict[str, Call]:
@@ -60,8 +67,16 @@ def _signature(module: nn.Module, call: Call) -> tuple[object, ...]:
 
 
 def _materialise(module: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """A copy of `module` on `device` with random weights in the compute dtype (values do not matter to time)."""
-    real = copy.deepcopy(module).to_empty(device=device)
+    """A copy of `module` on `device` with random weights in the compute dtype (values do not matter to time),
+    its tied parameters still tied (leaving the meta device makes each name a new parameter)."""
+    real = copy.deepcopy(module)
+    first: dict[int, str] = {}
+    ties = [(name, first.setdefault(id(p), name)) for name, p in real.named_parameters(remove_duplicate=False)]
+    real.to_empty(device=device)
+    for name, tied_to in ties:
+        if name != tied_to:
+            owner, _, attr = name.rpartition(".")
+            setattr(real.get_submodule(owner), attr, real.get_parameter(tied_to))
     with torch.no_grad():
         for t in [*real.parameters(), *real.buffers()]:
             t.normal_(0, 0.02) if t.is_floating_point() or t.is_complex() else t.zero_()
@@ -132,8 +147,8 @@ def measure_blocks(
     compile: bool = False,
 ) -> MeasuredTimes:
     """Per-unit forward and backward lines, the optimizer's seconds per parameter and, on a GPU, what
-    FSDP2 adds per byte at each timing batch for a rank of `world` (fsdp_probe, on a chain of copies of
-    the largest repeated block), block by block."""
+    FSDP2 adds at each timing batch for a rank of `world` (fsdp_probe, on a chain of copies of one
+    layer), block by block."""
     meta = build("meta")
     dtype = compute_dtype(precision)
     units = [u for u in find_units(meta, seq_len) if u.name != ROOT]
@@ -143,8 +158,8 @@ def measure_blocks(
     modules = {p: meta.get_submodule(p) for p in paths}
     sizes = {p: sum(q.numel() for q in m.parameters()) for p, m in modules.items()}
     largest = max(paths, key=sizes.__getitem__)
-    probed = _fsdp_probed(paths, sizes)
-    probe_calls: dict[int, Call] = {}
+    layer = fsdp_layer(meta, units)
+    probe_calls: dict[int, list[Call]] = {}
     for batch in TIMING_BATCHES:
         calls = _capture(meta, paths, batch, seq_len)
         seconds = {}
@@ -157,9 +172,8 @@ def measure_blocks(
                     compile_units(real, [""])
                 timed[key] = _time_module(real, _inputs(calls[path], device, dtype, batch, vocab_size), device)
                 del real
-            if path == probed:
-                probe_calls[batch] = calls[path]
             seconds[path] = timed[key]
+        probe_calls[batch] = [calls[p] for p in _called(layer)]
         logits = torch.randn(batch, seq_len, vocab_size, device=device, dtype=dtype, requires_grad=True)
         targets = torch.randint(0, vocab_size, (batch, seq_len), device=device)
         seconds["<loss>"] = _time_loss(logits, targets, device)
@@ -177,40 +191,79 @@ def measure_blocks(
     times = MeasuredTimes(forward, backward, _optimizer_rate(modules[largest], device, optimizer))
     if device.type != "cuda" or world == 1:  # a world of one runs no FSDP2
         return times
-    added = _fsdp_added(modules[probed], probe_calls, device, precision, world)
-    return dataclasses.replace(times, fsdp_s_per_byte=per_byte(added))
+    return charge(times, _fsdp_added(meta, layer, probe_calls, device, precision, world, optimizer))
 
 
-def _fsdp_probed(paths: list[str], sizes: dict[str, int]) -> str:
-    """The module FSDP2's costs are measured on: the largest block that repeats (a decoder's MLP), the
-    least bound by launch latency; else the largest module."""
-    repeated = [p for p in paths if sizes[p] and sum(sizes[q] == sizes[p] for q in paths) > 1]
-    return max(repeated or paths, key=sizes.__getitem__)
+def fsdp_layer(meta: nn.Module, units: list[Unit]) -> list[tuple[str, ...]]:
+    """The units (their module paths) FSDP2's costs are measured on: the first of each kind that repeats
+    (class and parameter shapes: a decoder layer's attention and MLP), in the model's order. Their cost
+    per byte is charged to every unit, so the repeating kinds must hold most of the model; where they
+    do not (only a norm repeats), the largest unit is measured alone."""
+
+    def kind(unit: Unit) -> tuple[object, ...]:
+        modules = [meta.get_submodule(p) for p in unit.modules]
+        return tuple((type(m).__qualname__, tuple(tuple(p.shape) for p in m.parameters())) for m in modules)
+
+    kinds = [kind(u) for u in units]
+    repeated = [kinds.count(k) > 1 for k in kinds]
+    if 2 * sum(u.param_count for u, r in zip(units, repeated, strict=True) if r) < sum(u.param_count for u in units):
+        return [max(units, key=lambda u: u.param_count).modules]
+    return [u.modules for i, u in enumerate(units) if repeated[i] and kinds.index(kinds[i]) == i]
+
+
+def chain_length(layer_params: int, memory: int | None) -> int:
+    """Copies of a layer the probe chains: CHAIN where their training states fit the probe's share of the
+    device, fewer where not (a 70b layer on an 80 GB GPU: 2), never one (a unit alone has no neighbour)."""
+    return max([k for k in range(2, CHAIN + 1) if probe_fits(k * layer_params, memory)], default=2)
+
+
+def _called(layer: list[tuple[str, ...]]) -> list[str]:
+    """The layer's modules that are not inside another of them (those run inside their parent's forward)."""
+    paths = [p for unit in layer for p in unit]
+    return [p for p in paths if not any(p.startswith(q + ".") for q in paths)]
 
 
 def _fsdp_added(
-    module: nn.Module, calls: dict[int, Call], device: torch.device, precision: str, world: int
+    meta: nn.Module,
+    layer: list[tuple[str, ...]],
+    calls: dict[int, list[Call]],
+    device: torch.device,
+    precision: str,
+    world: int,
+    optimizer: str,
 ) -> dict[str, Added]:
-    """What FSDP2 adds to a chain of CHAIN copies of `module`, each its own unit, at each timing batch
-    (`calls`: the module's arguments there), for rank 0 of `world`; per byte it is the model's (its
-    inputs are activations: any integer ids among them only need to index a vocabulary of one)."""
-    inputs = {b: _inputs(calls[b], device, compute_dtype(precision), b, 1) for b in TIMING_BATCHES}
+    """What FSDP2 adds to a chain of copies of `layer`'s units at each timing batch (`calls`: the arguments
+    of its called modules there), for rank 0 of `world`; per byte it is the model's (the inputs are
+    activations: any integer ids among them only need to index a vocabulary of one)."""
+    called = _called(layer)
+    layer_modules = nn.ModuleList(meta.get_submodule(p) for p in called)  # one copy keeps their ties
+    length = chain_length(sum(p.numel() for p in layer_modules.parameters()), device_memory(device))
+    inputs = {b: [_inputs(c, device, compute_dtype(precision), b, 1) for c in calls[b]] for b in TIMING_BATCHES}
 
     def copies(dtype: torch.dtype) -> Chain:
-        return Chain([_materialise(module, device, dtype) for _ in range(CHAIN)])
+        made = [
+            dict(zip(called, _materialise(layer_modules, device, dtype).children(), strict=True)) for _ in range(length)
+        ]
+
+        def inside(copy: dict[str, nn.Module], path: str) -> nn.Module:
+            top = next(p for p in called if path == p or path.startswith(p + "."))
+            return copy[top].get_submodule(path[len(top) + 1 :])
+
+        units = [[inside(copy, p) for p in unit] for copy in made for unit in layer]
+        return Chain([list(copy.values()) for copy in made], units)
 
     def sharded(strategy: str, meshes: dict[str, DeviceMesh]) -> nn.Module:
-        return shard_chain(copies(torch.float32), strategy, meshes, precision)
+        chain = copies(torch.float32)
+        return shard_uniform(chain, chain.units, strategy, meshes, precision)
 
     def run(live: nn.Module, batch: int) -> None:
-        args, kwargs = inputs[batch]
-        outs = [t for t in tree_leaves(live(*args, **kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+        outs = [t for t in tree_leaves(live(inputs[batch])) if isinstance(t, torch.Tensor) and t.requires_grad]
         torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
 
     plain = copies(compute_dtype(precision))
     plain_s = {b: median_pass(partial(run, plain, b), device) for b in TIMING_BATCHES}
     del plain
-    return added_costs(sharded, run, device, world, plain_s)
+    return added_costs(sharded, run, device, world, plain_s, optimizer)
 
 
 def _optimizer_rate(module: nn.Module, device: torch.device, optimizer: str) -> float:
@@ -218,13 +271,5 @@ def _optimizer_rate(module: nn.Module, device: torch.device, optimizer: str) -> 
     real = _materialise(module, device, torch.float32)
     for p in real.parameters():
         p.grad = torch.zeros_like(p)
-    opt = make_optimizer(real.parameters(), optimizer, device.type)
-    opt.step()
-    steps = []
-    for _ in range(REPEATS):
-        sync(device)
-        t0 = time.perf_counter()
-        opt.step()
-        sync(device)
-        steps.append(time.perf_counter() - t0)
-    return statistics.median(steps) / max(sum(p.numel() for p in real.parameters()), 1)
+    step_s = median_step(make_optimizer(real.parameters(), optimizer, device.type), device)
+    return step_s / max(sum(p.numel() for p in real.parameters()), 1)

@@ -27,6 +27,8 @@ from osdp_planners.units import ROOT, find_units
 
 TIMING_BATCHES = (1, 4)
 REPEATS = 9
+PROBE_FRACTION = 0.5  # of a GPU's memory the states of a probe's model may take
+PROBE_BYTES_PER_PARAM = 20  # fp32 weights, gradients and two moments, and the bf16 copy with its gradients
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,8 @@ class MeasuredTimes:
     optimizer_s_per_param: float  # optimizer step time per parameter owned
     # GPU: strategy -> seconds FSDP2 adds per parameter byte of a unit, a line in the micro batch (fsdp_probe)
     fsdp_s_per_byte: dict[str, Linear1] = field(default_factory=dict)
+    # GPU: strategy -> seconds each DTensor adds to the optimizer step (fsdp_probe; on CPU pools, comm_probe)
+    optimizer_tensor_cost_s: dict[str, float] = field(default_factory=dict)
     cpu_wait_share: float | None = None  # of the probe's time its (busiest) thread waited for a CPU (cpu_wait)
 
     def fsdp_at(self, strategy: str, batch: int) -> float:
@@ -60,13 +64,44 @@ class MeasuredTimes:
             {u: Linear1(**line) for u, line in d["backward"].items()},
             d["optimizer_s_per_param"],
             {s: Linear1(**line) for s, line in d["fsdp_s_per_byte"].items()},
+            d["optimizer_tensor_cost_s"],
             d.get("cpu_wait_share"),
         )
+
+
+def device_memory(device: torch.device) -> int | None:
+    """Bytes of a GPU's memory; None for a CPU pool's host, where probes always fit."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+
+
+def probe_fits(params: int, memory: int | None) -> bool:
+    """Whether a probe may train `params` parameters on a device of `memory` bytes."""
+    return memory is None or PROBE_BYTES_PER_PARAM * params < PROBE_FRACTION * memory
 
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def median_step(
+    opt: torch.optim.Optimizer,
+    device: torch.device,
+    barrier: Callable[[], object] = lambda: None,
+    slowest: Callable[[list[float]], list[float]] = lambda t: t,
+) -> float:
+    """Median seconds of the optimizer's step, after one that allocates its state (see measure_totals
+    for `barrier` and `slowest`)."""
+    opt.step()
+    steps = []
+    for _ in range(REPEATS):
+        barrier()
+        sync(device)
+        t0 = time.perf_counter()
+        opt.step()
+        sync(device)
+        steps += slowest([time.perf_counter() - t0])
+    return statistics.median(steps)
 
 
 def forward_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -136,16 +171,9 @@ def measure_totals(
     }
     del compute
     opt = make_optimizer(model.parameters(), optimizer, device.type)
-    opt.step()
-    steps = []
-    for _ in range(REPEATS):
-        barrier()
-        sync(device)
-        t0 = time.perf_counter()
-        opt.step()
-        sync(device)
-        steps += slowest([time.perf_counter() - t0])
-    totals["optimizer_s_per_param"] = statistics.median(steps) / sum(p.numel() for p in model.parameters())
+    totals["optimizer_s_per_param"] = median_step(opt, device, barrier, slowest) / sum(
+        p.numel() for p in model.parameters()
+    )
     return totals
 
 
@@ -182,17 +210,15 @@ def measure_times(
     compile: bool = False,
 ) -> MeasuredTimes:
     """Time the model in this process on `device`, in the training precision, with its optimizer and
-    compilation; on a GPU also what FSDP2 adds per byte for a rank of `world` (fsdp_probe)."""
-    model = build(str(device))
+    compilation; on a GPU also what FSDP2 adds for a rank of `world` (fsdp_probe)."""
     totals = measure_totals(
-        model, seq_len, vocab_size, device, precision=precision, optimizer=optimizer, compile=compile
-    )
+        build(str(device)), seq_len, vocab_size, device, precision=precision, optimizer=optimizer, compile=compile
+    )  # the model is freed before FSDP2's probe builds its sharded copies
     times = share_by_flops(totals, flops)
     if device.type != "cuda" or world == 1:  # a world of one runs no FSDP2 (runtime.apply)
         return times
-    from osdp_planners.fsdp_probe import measure_fsdp_costs  # it imports this module
+    from osdp_planners.fsdp_probe import charge, measure_fsdp_costs  # it imports this module
 
     torch.cuda.empty_cache()
     plain_s = {b: totals["forward"][str(b)] + totals["backward"][str(b)] for b in TIMING_BATCHES}
-    costs = measure_fsdp_costs(build, seq_len, vocab_size, device, world, precision, plain_s)
-    return dataclasses.replace(times, fsdp_s_per_byte=costs)
+    return charge(times, measure_fsdp_costs(build, seq_len, vocab_size, device, world, precision, plain_s, optimizer))

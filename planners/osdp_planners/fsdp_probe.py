@@ -8,32 +8,36 @@ uniform strategy at both timing batches and charged per parameter byte of a unit
 and casts grow with the unit's size (without a measurement, nothing), at the micro batch: its host
 work (hooks, launches) hides behind the compute of a larger batch (on an H200, a chain of 7b
 attention blocks under ZeRO-2 added 2.7 ms a block at batch 1 and 0.5 ms at batch 4). A model that fits the
-device is measured whole and charged per byte; a larger one on a chain of copies of its largest
-repeated block (block_probe), each copy a unit of its own, as neighbouring blocks are in the model.
+device is measured whole; a larger one on a chain of copies of one of its layers (block_probe).
+The optimizer then steps the sharded module: what its DTensors add over the plain rate per
+parameter is charged per tensor, as comm_probe measures it on CPU pools.
 """
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from osdp_planners.comm_probe import STRATEGIES, probe_meshes, shard_uniform
-from osdp_planners.compute_probe import REPEATS, TIMING_BATCHES, forward_loss, sync
+from osdp_planners.compute_probe import REPEATS, TIMING_BATCHES, MeasuredTimes, forward_loss, median_step, sync
 from osdp_planners.profile import Linear1
-from osdp_planners.runtime import mp_policy
+from osdp_planners.runtime import make_optimizer
 from osdp_planners.torch_private import register_fake_backend
 from osdp_planners.units import ROOT, find_units
 
 Sharded = Callable[[str, dict[str, DeviceMesh]], nn.Module]  # strategy, meshes -> a sharded module
 Run = Callable[[nn.Module, int], None]  # forward+backward of a module at a timing batch
+Call = tuple[tuple[Any, ...], dict[str, Any]]  # a module's positional and keyword arguments
 
 
 def median_pass(run: Callable[[], None], device: torch.device) -> float:
@@ -64,35 +68,55 @@ def _fake_rank(world: int, device: torch.device) -> Iterator[dict[str, DeviceMes
 
 @dataclass(frozen=True)
 class Added:
-    """What FSDP2 added to one module's forward+backward under a strategy at each timing batch, and the
-    module's parameter bytes."""
+    """What FSDP2 added to one module's forward+backward under a strategy at each timing batch, with the
+    module's parameter bytes, and its optimizer step over the rank's shards (seconds, tensors, elements)."""
 
     seconds: dict[int, float]
     nbytes: int
+    optimizer_s: float
+    tensors: int
+    local_params: int
+
+
+def _local_numel(p: torch.Tensor) -> int:
+    return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
 
 
 def added_costs(
-    sharded: Sharded, run: Run, device: torch.device, world: int, plain_s: dict[int, float]
+    sharded: Sharded, run: Run, device: torch.device, world: int, plain_s: dict[int, float], optimizer: str
 ) -> dict[str, Added]:
     """Seconds each uniform strategy adds to `run` over `plain_s` at each timing batch, for rank 0 of
-    `world`; `sharded` builds the module (fp32 master weights) under a strategy's meshes."""
+    `world`, and the runtime's `optimizer` stepping the gradients the runs left; `sharded` builds the
+    module (fp32 master weights) under a strategy's meshes."""
     costs = {}
     with _fake_rank(world, device) as meshes:
         for strategy in STRATEGIES:
             module = sharded(strategy, meshes)
-            nbytes = sum(p.numel() * p.element_size() for p in module.parameters())  # a DTensor's numel is global
+            params = list(module.parameters())
+            nbytes = sum(p.numel() * p.element_size() for p in params)  # a DTensor's numel is global
             seconds = {b: max(median_pass(partial(run, module, b), device) - plain_s[b], 0.0) for b in TIMING_BATCHES}
-            costs[strategy] = Added(seconds, nbytes)
-            del module
+            step_s = median_step(make_optimizer(params, optimizer, device.type), device)
+            costs[strategy] = Added(seconds, nbytes, step_s, len(params), sum(_local_numel(p) for p in params))
+            del module, params
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return costs
 
 
-def per_byte(added: dict[str, Added]) -> dict[str, Linear1]:
-    """Each strategy's seconds per byte as a line through its two timing batches."""
+def charge(times: MeasuredTimes, added: dict[str, Added]) -> MeasuredTimes:
+    """`times` with what FSDP2 adds: each strategy's seconds per byte, a line through its two timing
+    batches, and what each of its DTensors adds to the optimizer step over `times`' rate per parameter."""
     b1, b2 = TIMING_BATCHES
-    return {s: Linear1.fit(a.seconds[b1] / a.nbytes, a.seconds[b2] / a.nbytes, b1, b2) for s, a in added.items()}
+    rate = times.optimizer_s_per_param
+    return dataclasses.replace(
+        times,
+        fsdp_s_per_byte={
+            s: Linear1.fit(a.seconds[b1] / a.nbytes, a.seconds[b2] / a.nbytes, b1, b2) for s, a in added.items()
+        },
+        optimizer_tensor_cost_s={
+            s: max(a.optimizer_s - rate * a.local_params, 0.0) / max(a.tensors, 1) for s, a in added.items()
+        },
+    )
 
 
 def measure_fsdp_costs(
@@ -103,7 +127,8 @@ def measure_fsdp_costs(
     world: int,
     precision: str,
     plain_s: dict[int, float],
-) -> dict[str, Linear1]:
+    optimizer: str,
+) -> dict[str, Added]:
     """The whole model under each uniform strategy against `plain_s` (its plain forward+backward at each
     timing batch)."""
     inputs = {b: torch.randint(0, vocab_size, (b, seq_len), device=device) for b in TIMING_BATCHES}
@@ -113,28 +138,26 @@ def measure_fsdp_costs(
         units = [[model.get_submodule(m) for m in u.modules] for u in find_units(model, seq_len) if u.name != ROOT]
         return shard_uniform(model, units, strategy, meshes, precision)
 
-    return per_byte(added_costs(sharded, lambda m, b: forward_loss(m, inputs[b]).backward(), device, world, plain_s))
+    return added_costs(sharded, lambda m, b: forward_loss(m, inputs[b]).backward(), device, world, plain_s, optimizer)
 
 
 class Chain(nn.Module):
-    """Copies of one block called in turn on the same inputs: block_probe's stand-in for a model's run of
-    blocks. FSDP2 copies for the next unit while the current one computes, and the root's once-a-step
-    work is shared by the copies; a block alone has neither (on an H200 the 7b attention block alone
-    added 2.8 ms at batch 1, where a whole 7b ZeRO-2 step added 0.4 ms a block)."""
+    """Copies of one layer of a model (its repeating units: a decoder's attention and MLP), called in
+    turn, each module on the inputs it gets in the model: block_probe's stand-in for a model's run of
+    layers. FSDP2 copies for the next unit while the current one computes, its host work for a small
+    unit hides behind a large unit's kernels, and the root's once-a-step work is shared; one block
+    alone, or copies of one kind of block, show none of this. On an H200 at batch 1 under ZeRO-2, a
+    chain of 7b attention blocks added 2.7 ms a block and one of MLPs 1.2 ms, where the whole 7b step
+    ran 2.8 ms a layer over its plain blocks' time."""
 
-    def __init__(self, blocks: list[nn.Module]) -> None:
+    def __init__(self, copies: list[list[nn.Module]], units: list[list[nn.Module]]) -> None:
+        """`copies[i]`: the modules copy i of the layer calls, in order; `units`: the modules of each
+        FSDP2 unit of all copies (a unit may sit inside a called module)."""
         super().__init__()
-        self.blocks = nn.ModuleList(blocks)
+        self.called = nn.ModuleList(m for modules in copies for m in modules)
+        self.units = units
 
-    def forward(self, *args: object, **kwargs: object) -> list[object]:
-        return [block(*args, **kwargs) for block in self.blocks]
-
-
-def shard_chain(chain: Chain, strategy: str, meshes: dict[str, DeviceMesh], precision: str) -> Chain:
-    """Each block of `chain` an FSDP2 unit under a uniform strategy, the chain the (empty) root."""
-    mesh = meshes["ddp" if strategy == "ddp" else "zero"]
-    policy = mp_policy(precision)
-    for block in chain.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=strategy == "zero3", mp_policy=policy)
-    fully_shard(chain, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
-    return chain
+    def forward(self, calls: list[Call]) -> list[object]:
+        """Every copy of the layer, its k-th called module on `calls[k]`."""
+        every = calls * (len(self.called) // len(calls))
+        return [m(*args, **kwargs) for m, (args, kwargs) in zip(self.called, every, strict=True)]

@@ -22,7 +22,7 @@ from osdp_planners.assemble import explain, to_plan
 from osdp_planners.block_probe import measure_blocks
 from osdp_planners.choice import Choice
 from osdp_planners.comm_probe import CommProfile, cached_comm
-from osdp_planners.compute_probe import MeasuredTimes, measure_times
+from osdp_planners.compute_probe import MeasuredTimes, device_memory, measure_times, probe_fits
 from osdp_planners.cpu_wait import WaitMeter
 from osdp_planners.disk_cache import PICKLE, cached
 from osdp_planners.errors import UserError, UserErrors
@@ -96,17 +96,12 @@ def _profile(build: Builder, req: PlanRequest, structure: str, dtype: torch.dtyp
     return _profiles[key]
 
 
-DEVICE_CACHE_VERSION = 4  # of a cached device measurement (4: FSDP2's cost at both timing batches)
-WHOLE_MODEL_FRACTION = 0.5  # of the device's memory the whole-model probe's states may take
-PROBE_BYTES_PER_PARAM = 20  # fp32 weights, gradients and two moments, and the bf16 copy with its gradients
+DEVICE_CACHE_VERSION = 5  # of a cached device measurement (5: FSDP2 on a chain of layers, the optimizer per DTensor)
 
 
 def _whole_model_fits(build: Builder, device: torch.device) -> bool:
     """Whether the model is timed whole on `device`; otherwise block by block (block_probe)."""
-    if device.type != "cuda":
-        return True
-    params = sum(p.numel() for p in build("meta").parameters())
-    return PROBE_BYTES_PER_PARAM * params < WHOLE_MODEL_FRACTION * torch.cuda.get_device_properties(device).total_memory
+    return probe_fits(sum(p.numel() for p in build("meta").parameters()), device_memory(device))
 
 
 def _time_on_device(

@@ -9,8 +9,8 @@ one more collective latency per gather and per reduction. The optimizer step sca
 parameters a rank owns. On CPU pools FSDP2's fixed costs (hooks, per-tensor copies, DTensor dispatch
 in the optimizer) are measured (see comm_probe) and charged per FSDP2 unit and per tensor; on GPUs
 the copies and casts FSDP2 runs on the compute stream, and its host work, are measured per byte at
-both timing batches (fsdp_probe). A world of one runs no FSDP2 (runtime.apply), so nothing of it
-is charged there.
+both timing batches, and the optimizer's cost per DTensor (fsdp_probe). A world of one runs no FSDP2
+(runtime.apply), so nothing of it is charged there.
 """
 
 from dataclasses import dataclass
@@ -147,7 +147,7 @@ def optimizer_seconds(
     profile: ModelProfile, options: dict[str, Option], topo: Topology, measured: MeasuredTimes | None
 ) -> float:
     """AdamW touches each owned parameter a fixed number of times: memory-bound, linear in the shard.
-    Where measured, each DTensor adds its dispatch cost."""
+    Where measured, each DTensor adds its dispatch cost (a world of one has none: no FSDP2)."""
     if measured:
         per_param = measured.optimizer_s_per_param
     else:
@@ -155,5 +155,9 @@ def optimizer_seconds(
     t = sum(profile.param_bytes[u] / 4 / o.shard_group_size * per_param for u, o in options.items())
     if topo.measured is not None:
         cost = topo.measured.optimizer_tensor_cost_s
-        t += sum(cost[measured_kind(o)] * sum(fsdp_units(profile, u, o)) for u, o in options.items())
+    elif measured is not None and topo.world_size > 1:
+        cost = measured.optimizer_tensor_cost_s
+    else:
+        cost = {}
+    t += sum(cost.get(measured_kind(o), 0.0) * sum(fsdp_units(profile, u, o)) for u, o in options.items())
     return t
