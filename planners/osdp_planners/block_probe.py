@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.func import functional_call
 
 from osdp_planners.comm_probe import shard_uniform
 from osdp_planners.compute_probe import (
@@ -36,13 +37,16 @@ from osdp_planners.loss import lm_loss
 from osdp_planners.profile import Linear1
 from osdp_planners.runtime import compile_units, compute_dtype, make_optimizer
 from osdp_planners.torch_private import tree_leaves, tree_map
+from osdp_planners.trace import fake_state
 from osdp_planners.units import ROOT, Unit, find_units
 
 CHAIN = 4  # copies of a layer FSDP2's costs are measured on (fsdp_probe.Chain), at most
 
 
 def _capture(model: nn.Module, paths: list[str], batch: int, seq_len: int) -> dict[str, Call]:
-    """The (args, kwargs) each module in `paths` is first called with, on meta tensors."""
+    """The (args, kwargs) each module in `paths` is first called with, on fake tensors (as the profile traces
+    the model). On them transformers builds its causal mask as a tensor, where on a device it passes none
+    and lets attention mask itself: its attention blocks are timed with an explicit mask."""
     calls: dict[str, Call] = {}
     hooks = []
     for path in paths:
@@ -52,8 +56,8 @@ def _capture(model: nn.Module, paths: list[str], batch: int, seq_len: int) -> di
 
         hooks.append(model.get_submodule(path).register_forward_pre_hook(hook, with_kwargs=True))
     try:
-        with torch.no_grad():
-            model(torch.zeros(batch, seq_len, dtype=torch.long, device="meta"))
+        with fake_state(model) as (fakes, device):
+            functional_call(model, fakes, (torch.zeros(batch, seq_len, dtype=torch.long, device=device),))
     finally:
         for h in hooks:
             h.remove()
@@ -86,17 +90,23 @@ def _materialise(module: nn.Module, device: torch.device, dtype: torch.dtype) ->
 
 
 def _inputs(call: Call, device: torch.device, dtype: torch.dtype, batch: int, vocab_size: int) -> Call:
-    """Random tensors of the captured shapes; activations (floating, batch-leading) get gradients."""
+    """Random tensors of the captured shapes. Floating ones are in the compute dtype, as everything the
+    compute copy's parameters make is (a rotary table too), and activations (batch-leading) get gradients.
+    Integers are token ids or positions: drawn below both the vocabulary and their last dimension (the
+    sequence), they index either. A boolean mask hides nothing."""
 
     def real(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
         if t.is_floating_point():
             grad = t.dim() >= 2 and t.shape[0] == batch
-            return torch.randn(t.shape, device=device, dtype=dtype if grad else t.dtype, requires_grad=grad)
+            return torch.randn(t.shape, device=device, dtype=dtype, requires_grad=grad)
         if t.is_complex():
             return torch.randn(t.shape, device=device, dtype=t.dtype)
-        return torch.randint(0, vocab_size, t.shape, device=device, dtype=t.dtype)
+        if t.dtype == torch.bool:
+            return torch.ones(t.shape, device=device, dtype=torch.bool)
+        high = min(vocab_size, t.shape[-1]) if t.dim() else 1
+        return torch.randint(0, max(high, 1), t.shape, device=device, dtype=t.dtype)
 
     args, kwargs = call
     return tuple(tree_map(real, a) for a in args), {k: tree_map(real, v) for k, v in kwargs.items()}

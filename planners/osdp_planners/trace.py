@@ -88,6 +88,24 @@ def _trace_device(model: nn.Module) -> torch.device:
     return torch.device("cpu") if first is None or first.device.type == "meta" else first.device
 
 
+@contextmanager
+def fake_state(model: nn.Module) -> Iterator[tuple[dict[str, torch.Tensor], torch.device]]:
+    """Fake tensors of `model`'s parameters and buffers (by name) and their device (CPU for a meta model),
+    inside a fake mode, for `functional_call`; what a forward does to the modules is undone after.
+    Meta tensors alone do not do: a model may read a value that fake tensors let it skip (transformers'
+    masks check for packed sequences unless the input is fake)."""
+    device = _trace_device(model)
+    mode = detect_fake_mode() or FakeTensorMode(allow_non_fake_inputs=True)
+    with _restored(model), torch.random.fork_rng(devices=[]), mode:
+        yield (
+            {
+                n: torch.empty(t.shape, dtype=t.dtype, device=device, requires_grad=t.requires_grad)
+                for n, t in [*model.named_parameters(), *model.named_buffers()]
+            },
+            device,
+        )
+
+
 def _fail(model: nn.Module, path: str, problem: str) -> UserError:
     kind = type(model.get_submodule(path)).__name__
     return UserError("model", path or ROOT, f"{kind}: {problem}", MODEL_CONTRACT)
@@ -114,15 +132,9 @@ def trace_calls(model: nn.Module, seq_len: int, vocab_size: int | None = None) -
         if not any(isinstance(t, torch.Tensor) for t in tree_leaves(out)):
             trace.opaque.add(path)
 
-    device = _trace_device(model)
-    mode = detect_fake_mode() or FakeTensorMode(allow_non_fake_inputs=True)
     handles = [h for m in model.modules() for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
     try:
-        with _restored(model), torch.random.fork_rng(devices=[]), mode:
-            fakes = {
-                n: torch.empty(t.shape, dtype=t.dtype, device=device, requires_grad=t.requires_grad)
-                for n, t in [*model.named_parameters(), *model.named_buffers()]
-            }
+        with fake_state(model) as (fakes, device):
             names = {id(fakes[n]): n for n, _ in model.named_parameters()}
             tokens = torch.zeros(TRACE_BATCH, seq_len, dtype=torch.long, device=device)
             try:

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Callable
+from functools import partial
 
 import pytest
 import torch
@@ -292,30 +293,50 @@ def test_device_times_survive_the_disk_cache() -> None:
 BLOCK_SUM_TOLERANCE = 0.25
 
 
-def test_block_by_block_timing_adds_up_to_the_whole_model() -> None:
+HF_LLAMA = {  # transformers' Llama: attention takes rotary tables, a mask and positions as keyword arguments
+    "model_type": "llama",
+    "vocab_size": 512,
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+
+
+@pytest.mark.parametrize(
+    ("source", "precision"),
+    [("zoo", "fp32"), ("transformers", "bf16-mixed")],
+)
+def test_block_by_block_timing_adds_up_to_the_whole_model(source: str, precision: str) -> None:
     """A model too large for one device is timed per distinct block, embedding, head and loss, and
     scaled: at the larger timing batch that sums to the whole model's time. Within 25%: a scaling
     mistake (a block counted once, not per layer) is off by the layer count, while a loaded 2-core
     machine ran the two sides of every pair 13-24% apart (seen in a full suite run), so 10% failed
-    there although quiet runs meet it."""
-    build, seq, vocab = ZooModel("llama", 3, 512, 256), 128, 512
+    there although quiet runs meet it. A transformers Llama's blocks are called as its layers call
+    them (its masks read values on meta tensors; its rotary tables follow the compute dtype)."""
+    if source == "zoo":
+        build: Callable[[str], nn.Module] = ZooModel("llama", 3, 512, 256)
+    else:
+        section = ModelSection.model_validate({"hf_config": HF_LLAMA})
+        build = partial(build_model, section)
     ratios: list[float] = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as a pool's worker runs; two threads on a shared machine are the noisier
     try:
-        ratios = _block_over_whole(build, seq, vocab)
+        ratios = _block_over_whole(build, 128, 512, precision)
     finally:
         torch.set_num_threads(threads)
     assert min(abs(r - 1) for r in ratios) < BLOCK_SUM_TOLERANCE, ratios
 
 
-def _block_over_whole(build: Callable[[str], nn.Module], seq: int, vocab: int) -> list[float]:
+def _block_over_whole(build: Callable[[str], nn.Module], seq: int, vocab: int, precision: str) -> list[float]:
     """Per-block over whole-model forward+backward at batch 4, in pairs measured back to back, until a
     pair agrees within 10% or five pairs ran: a shared machine has slow spells that hit one side of a pair."""
     ratios = []
     for _ in range(5):
-        whole = measure_totals(build("cpu"), seq, vocab, torch.device("cpu"))
-        blocks = measure_blocks(build, seq, vocab, torch.device("cpu"))
+        whole = measure_totals(build("cpu"), seq, vocab, torch.device("cpu"), precision=precision)
+        blocks = measure_blocks(build, seq, vocab, torch.device("cpu"), precision)
         per_block = sum(line.at(4) for times in (blocks.forward, blocks.backward) for line in times.values())
         ratios.append(per_block / (whole["forward"]["4"] + whole["backward"]["4"]))
         assert blocks.optimizer_s_per_param > 0
