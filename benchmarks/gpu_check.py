@@ -246,7 +246,8 @@ def _step_parts(ctx: Context, options: dict[str, Option], batch: int, accum: int
         m = ctx.measured
         parts["probe_forward"] = sum(line.at(batch) for line in m.forward.values())
         parts["probe_backward"] = sum(line.at(batch) for line in m.backward.values())
-        parts["fsdp_s_per_byte"] = {s: m.fsdp_at(s, batch) for s in m.fsdp_s_per_byte}  # at the micro batch
+        parts["fsdp_s_per_byte"] = {s: m.fsdp_at(s, batch)[0] for s in m.fsdp_s_per_byte}  # at the micro batch
+        parts["fsdp_s_per_unit"] = {s: m.fsdp_at(s, batch)[1] for s in m.fsdp_s_per_unit}
         parts["optimizer_tensor_cost_s"] = m.optimizer_tensor_cost_s
     return parts
 

@@ -32,7 +32,7 @@ from osdp_planners.compute_probe import (
     probe_fits,
     sync,
 )
-from osdp_planners.fsdp_probe import Added, Call, Chain, added_costs, charge, median_pass
+from osdp_planners.fsdp_probe import Added, Call, Chain, added_costs, charge, finer, median_pass
 from osdp_planners.loss import lm_loss
 from osdp_planners.profile import Linear1
 from osdp_planners.runtime import compile_units, compute_dtype, make_optimizer
@@ -204,8 +204,8 @@ def measure_blocks(
     return charge(times, _fsdp_added(meta, layer, probe_calls, device, precision, world, optimizer))
 
 
-def fsdp_layer(meta: nn.Module, units: list[Unit]) -> list[tuple[str, ...]]:
-    """The units (their module paths) FSDP2's costs are measured on: the first of each kind that repeats
+def fsdp_layer(meta: nn.Module, units: list[Unit]) -> list[Unit]:
+    """The units FSDP2's costs are measured on: the first of each kind that repeats
     (class and parameter shapes: a decoder layer's attention and MLP), in the model's order. Their cost
     per byte is charged to every unit, so the repeating kinds must hold most of the model; where they
     do not (only a norm repeats), the largest unit is measured alone."""
@@ -217,8 +217,8 @@ def fsdp_layer(meta: nn.Module, units: list[Unit]) -> list[tuple[str, ...]]:
     kinds = [kind(u) for u in units]
     repeated = [kinds.count(k) > 1 for k in kinds]
     if 2 * sum(u.param_count for u, r in zip(units, repeated, strict=True) if r) < sum(u.param_count for u in units):
-        return [max(units, key=lambda u: u.param_count).modules]
-    return [u.modules for i, u in enumerate(units) if repeated[i] and kinds.index(kinds[i]) == i]
+        return [max(units, key=lambda u: u.param_count)]
+    return [u for i, u in enumerate(units) if repeated[i] and kinds.index(kinds[i]) == i]
 
 
 def chain_length(layer_params: int, memory: int | None) -> int:
@@ -227,15 +227,15 @@ def chain_length(layer_params: int, memory: int | None) -> int:
     return max([k for k in range(2, CHAIN + 1) if probe_fits(k * layer_params, memory)], default=2)
 
 
-def _called(layer: list[tuple[str, ...]]) -> list[str]:
+def _called(layer: list[Unit]) -> list[str]:
     """The layer's modules that are not inside another of them (those run inside their parent's forward)."""
-    paths = [p for unit in layer for p in unit]
+    paths = [p for unit in layer for p in unit.modules]
     return [p for p in paths if not any(p.startswith(q + ".") for q in paths)]
 
 
 def _fsdp_added(
     meta: nn.Module,
-    layer: list[tuple[str, ...]],
+    layer: list[Unit],
     calls: dict[int, list[Call]],
     device: torch.device,
     precision: str,
@@ -259,12 +259,14 @@ def _fsdp_added(
             top = next(p for p in called if path == p or path.startswith(p + "."))
             return copy[top].get_submodule(path[len(top) + 1 :])
 
-        units = [[inside(copy, p) for p in unit] for copy in made for unit in layer]
-        return Chain([list(copy.values()) for copy in made], units)
+        units = [[inside(copy, p) for p in unit.modules] for copy in made for unit in layer]
+        linears = [[inside(copy, p) for p in unit.linears] for copy in made for unit in layer]
+        return Chain([list(copy.values()) for copy in made], units, linears)
 
-    def sharded(strategy: str, meshes: dict[str, DeviceMesh]) -> nn.Module:
+    def sharded(strategy: str, meshes: dict[str, DeviceMesh], fine: bool) -> nn.Module:
         chain = copies(torch.float32)
-        return shard_uniform(chain, chain.units, strategy, meshes, precision)
+        units = finer(chain.units, chain.linears) if fine else chain.units
+        return shard_uniform(chain, units, strategy, meshes, precision)
 
     def run(live: nn.Module, batch: int) -> None:
         outs = [t for t in tree_leaves(live(inputs[batch])) if isinstance(t, torch.Tensor) and t.requires_grad]

@@ -38,20 +38,22 @@ class MeasuredTimes:
     optimizer_s_per_param: float  # optimizer step time per parameter owned
     # GPU: strategy -> seconds FSDP2 adds per parameter byte of a unit, a line in the micro batch (fsdp_probe)
     fsdp_s_per_byte: dict[str, Linear1] = field(default_factory=dict)
+    # GPU: strategy -> seconds each further FSDP2 unit of a split adds (its slices), a line in the micro batch
+    fsdp_s_per_unit: dict[str, Linear1] = field(default_factory=dict)
     # GPU: strategy -> seconds each DTensor adds to the optimizer step (fsdp_probe; on CPU pools, comm_probe)
     optimizer_tensor_cost_s: dict[str, float] = field(default_factory=dict)
     cpu_wait_share: float | None = None  # of the probe's time its (busiest) thread waited for a CPU (cpu_wait)
 
-    def fsdp_at(self, strategy: str, batch: int) -> float:
-        """FSDP2's seconds per parameter byte at a micro batch: measured at both timing batches, a line
-        between them and the nearer measurement outside them. Its host work (hooks, launches) hides
-        behind more compute at a larger batch, so it is not a constant; beyond the measured batches a
-        line would guess."""
-        line = self.fsdp_s_per_byte.get(strategy)
-        if line is None:
-            return 0.0
+    def fsdp_at(self, strategy: str, batch: int) -> tuple[float, float]:
+        """FSDP2's seconds per parameter byte and per further unit at a micro batch: measured at both
+        timing batches, a line between them and the nearer measurement outside them. Its host work
+        (hooks, launches) hides behind more compute at a larger batch, so it is not a constant; beyond
+        the measured batches a line would guess. Nothing where not measured."""
         lo, hi = TIMING_BATCHES
-        return max(line.at(min(max(batch, lo), hi)), 0.0)
+        at = min(max(batch, lo), hi)
+        lines = (self.fsdp_s_per_byte.get(strategy), self.fsdp_s_per_unit.get(strategy))
+        per_byte, per_unit = (max(line.at(at), 0.0) if line else 0.0 for line in lines)
+        return per_byte, per_unit
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -64,6 +66,7 @@ class MeasuredTimes:
             {u: Linear1(**line) for u, line in d["backward"].items()},
             d["optimizer_s_per_param"],
             {s: Linear1(**line) for s, line in d["fsdp_s_per_byte"].items()},
+            {s: Linear1(**line) for s, line in d["fsdp_s_per_unit"].items()},
             d["optimizer_tensor_cost_s"],
             d.get("cpu_wait_share"),
         )

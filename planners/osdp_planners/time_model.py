@@ -8,9 +8,9 @@ gloo on CPU blocks, so there they add. Each slice of a split operator is an FSDP
 one more collective latency per gather and per reduction. The optimizer step scales with the
 parameters a rank owns. On CPU pools FSDP2's fixed costs (hooks, per-tensor copies, DTensor dispatch
 in the optimizer) are measured (see comm_probe) and charged per FSDP2 unit and per tensor; on GPUs
-the copies and casts FSDP2 runs on the compute stream, and its host work, are measured per byte at
-both timing batches, and the optimizer's cost per DTensor (fsdp_probe). A world of one runs no FSDP2
-(runtime.apply), so nothing of it is charged there.
+the copies and casts FSDP2 runs on the compute stream, and its host work, are measured per byte and
+per further unit of a split at both timing batches, and the optimizer's cost per DTensor
+(fsdp_probe). A world of one runs no FSDP2 (runtime.apply), so nothing of it is charged there.
 """
 
 from dataclasses import dataclass
@@ -136,8 +136,10 @@ def unit_time(
 ) -> UnitTime:
     fwd, bwd = compute_seconds(profile, unit, batch, topo, measured)
     compute = fwd + bwd + (fwd if opt.checkpoint else 0.0)
-    if measured is not None and topo.world_size > 1:  # FSDP2's copies and casts (a world of one has no FSDP2)
-        compute += measured.fsdp_at(measured_kind(opt), batch) * profile.param_bytes[unit]
+    if measured is not None and topo.world_size > 1:  # FSDP2's copies, casts and hooks (a world of one has none)
+        per_byte, per_unit = measured.fsdp_at(measured_kind(opt), batch)
+        further = sum(1 for n in fsdp_units(profile, unit, opt) if n) - 1  # a split's slices are units too
+        compute += per_byte * profile.param_bytes[unit] + per_unit * further
     comm = comm_seconds(profile, unit, opt, topo, compute_bytes)
     total = max(compute, comm) if overlap else compute + comm
     return UnitTime(compute, comm, total)
