@@ -205,10 +205,10 @@ def measure_blocks(
 
 
 def fsdp_layer(meta: nn.Module, units: list[Unit]) -> list[Unit]:
-    """The units FSDP2's costs are measured on: the first of each kind that repeats
-    (class and parameter shapes: a decoder layer's attention and MLP), in the model's order. Their cost
-    per byte is charged to every unit, so the repeating kinds must hold most of the model; where they
-    do not (only a norm repeats), the largest unit is measured alone."""
+    """The units FSDP2's costs are measured on: the first of each kind that repeats (class and parameter
+    shapes: a decoder layer's attention and MLP), in the model's order. Their cost per byte is charged
+    to every unit, so the repeating kinds must hold most of the model; where they do not (only a norm
+    repeats), the largest unit is measured alone."""
 
     def kind(unit: Unit) -> tuple[object, ...]:
         modules = [meta.get_submodule(p) for p in unit.modules]
