@@ -169,7 +169,7 @@ def build_model(section: ModelSection, device: str | torch.device = "cpu") -> nn
 def build_sharded(section: ModelSection, plan: Plan, device: torch.device, meshes: Meshes | None = None) -> nn.Module:
     """The model with `plan` applied, each rank allocating only its shards plus one unit in full at a time.
 
-    Same weights as `build_model(section)` from the same RNG state. Needs the process group `plan` is for.
+    Same weights as `build_model(section, device)` from the same RNG state. Needs the process group `plan` is for.
     """
     if plan.world_size == 1:  # nothing to shard: the whole model, as build_model makes it (see apply.py)
         model = build_model(section, device)
@@ -187,7 +187,7 @@ def build_sharded(section: ModelSection, plan: Plan, device: torch.device, meshe
     apply_plan(model, plan, device.type, meshes)
     _to_empty(model, device)
     torch.set_rng_state(rng)
-    initialize(reference, protocol, scatter_into(model))
+    initialize(reference, protocol, scatter_into(model), device)
     buffers = dict(reference.named_buffers())
     with torch.no_grad():
         for name, b in model.named_buffers():
