@@ -135,16 +135,20 @@ def _free_links(ctx: Context) -> Context:
     return dataclasses.replace(ctx, topo=dataclasses.replace(ctx.topo, device=device, measured=None))
 
 
-def _platform_step(recipe: Recipe, plan: Plan, device: torch.device) -> tuple[Timed, Timed]:
+def _platform_step(recipe: Recipe, plan: Plan, device: torch.device) -> tuple[Timed, Timed, float]:
     """`train_step` on the plan applied with FSDP2, as a worker runs it, on one synthetic batch; then the
-    optimizer's step alone, on the gradients of one more pass (to hold beside the time model's part)."""
+    optimizer's step alone, on the gradients of one more pass (to hold beside the time model's part); and
+    the seconds the build took (initialisation included), which a worker spends before its first step."""
+    started = time.perf_counter()
     model = build_sharded(recipe.model, plan, device, Meshes(device.type, plan.world_size, {}))
+    sync(device)
+    built = time.perf_counter() - started
     optimizer = build_optimizer(model, recipe.train)
     x = torch.randint(0, 256, (plan.micro_batch_size, plan.seq_len), device=device)
     batches = [(x, x)] * plan.grad_accum_steps
     step = _median_step(lambda: train_step(model, optimizer, batches, plan.grad_accum_steps), device)
     lm_loss(logits_of(model(x)), x).backward()  # train_step leaves no gradients behind
-    return step, _median_step(optimizer.step, device)
+    return step, _median_step(optimizer.step, device), built
 
 
 def _hand_step(recipe: Recipe, micro: int, seq_len: int, device: torch.device, compiled: bool = False) -> Timed:
@@ -176,6 +180,7 @@ def run_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     result = plan_recipe(recipe)
+    planned = time.perf_counter() - started
     plan, ctx = result.plan, result.context
     options = {u.name: Option.of(u) for u in plan.units}
     free = evaluate(_free_links(ctx), options, plan.micro_batch_size, plan.grad_accum_steps).step_time_s
@@ -186,7 +191,7 @@ def run_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
         backend = "fake"
     dist.init_process_group(backend, rank=0, world_size=world, store=dist.HashStore())
     try:
-        timed, optimizer = _platform_step(recipe, plan, device)
+        timed, optimizer, built = _platform_step(recipe, plan, device)
     finally:
         dist.destroy_process_group()
     tokens = plan.micro_batch_size * plan.grad_accum_steps * plan.seq_len
@@ -227,7 +232,7 @@ def run_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
         if compile:  # the reference a compiled platform step is also held beside
             _free_cache(device)
             row["hand_compiled_step_s"] = _hand_step(recipe, plan.micro_batch_size, plan.seq_len, device, True).step_s
-    row["case_s"] = time.perf_counter() - started
+    row |= {"plan_s": planned, "build_s": built, "case_s": time.perf_counter() - started}  # where a case's time goes
     return row
 
 
