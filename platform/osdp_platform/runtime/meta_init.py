@@ -10,8 +10,8 @@ slice) after the last one, and dropped again. The RNG is drawn in the order a si
 initialising the whole model on that device draws it, so the weights equal that model's whatever
 the plan and world size, and a rank holds at most its shards plus one unit in full (tied modules
 are one unit: GPT-2's embedding and head). On a GPU the values come from its own generator, which
-every rank seeds alike: drawn on CPU, a 7B model took 42 s to build as a rank of 8 on a 2-core
-host, every rank before its first step.
+every rank seeds alike. Drawn on CPU instead, each rank of 8 spent 42 s building a 7B model before
+its first step (a 2-core host).
 
 The initialiser is the model's own, called once per module (an *init protocol*):
 - `model.init_module(module)`, in module order (parents first): the zoo's, or any user model's;
