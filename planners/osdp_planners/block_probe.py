@@ -15,7 +15,7 @@ import statistics
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -33,7 +33,7 @@ from osdp_planners.compute_probe import (
     sync,
 )
 from osdp_planners.fsdp_probe import Added, Call, Chain, added_costs, charge, finer, median_pass
-from osdp_planners.loss import lm_loss
+from osdp_planners.loss import lm_loss, logits_of
 from osdp_planners.profile import Linear1
 from osdp_planners.runtime import compile_units, compute_dtype, make_optimizer
 from osdp_planners.torch_private import tree_leaves, tree_map
@@ -43,10 +43,15 @@ from osdp_planners.units import ROOT, Unit, find_units
 CHAIN = 4  # copies of a layer FSDP2's costs are measured on (fsdp_probe.Chain), at most
 
 
-def _capture(model: nn.Module, paths: list[str], batch: int, seq_len: int) -> dict[str, Call]:
+class Captured(NamedTuple):
+    calls: dict[str, Call]  # module path -> the (args, kwargs) it is first called with
+    logits_width: int  # the model's vocabulary: the loss is over it, whatever range the data's tokens take
+
+
+def _capture(model: nn.Module, paths: list[str], batch: int, seq_len: int) -> Captured:
     """The (args, kwargs) each module in `paths` is first called with, on fake tensors (as the profile traces
-    the model). On them transformers builds its causal mask as a tensor, where on a device it passes none
-    and lets attention mask itself: its attention blocks are timed with an explicit mask."""
+    the model), and the width of the logits. Grad mode is on, so an argument requires a gradient exactly
+    where training's does (activations, not rotary tables)."""
     calls: dict[str, Call] = {}
     hooks = []
     for path in paths:
@@ -56,12 +61,13 @@ def _capture(model: nn.Module, paths: list[str], batch: int, seq_len: int) -> di
 
         hooks.append(model.get_submodule(path).register_forward_pre_hook(hook, with_kwargs=True))
     try:
-        with fake_state(model) as (fakes, device):
-            functional_call(model, fakes, (torch.zeros(batch, seq_len, dtype=torch.long, device=device),))
+        with fake_state(model) as (fakes, device), torch.enable_grad():
+            tokens = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
+            logits = logits_of(functional_call(model, fakes, (tokens,)))
     finally:
         for h in hooks:
             h.remove()
-    return calls
+    return Captured(calls, logits.shape[-1])
 
 
 def _signature(module: nn.Module, call: Call) -> tuple[object, ...]:
@@ -89,18 +95,19 @@ def _materialise(module: nn.Module, device: torch.device, dtype: torch.dtype) ->
     return real
 
 
-def _inputs(call: Call, device: torch.device, dtype: torch.dtype, batch: int, vocab_size: int) -> Call:
+def _inputs(call: Call, device: torch.device, dtype: torch.dtype, vocab_size: int) -> Call:
     """Random tensors of the captured shapes. Floating ones are in the compute dtype, as everything the
-    compute copy's parameters make is (a rotary table too), and activations (batch-leading) get gradients.
-    Integers are token ids or positions: drawn below both the vocabulary and their last dimension (the
-    sequence), they index either. A boolean mask hides nothing."""
+    compute copy's parameters make is (a rotary table too), and get a gradient where the captured one
+    would have one. Integers are token ids or positions: drawn below both the vocabulary and their last
+    dimension (the sequence), they index either. A boolean mask hides nothing, but transformers' causal
+    mask (a boolean `attention_mask`) becomes None: it builds one on fake tensors, while on a device,
+    with nothing padded, its SDPA gets none and masks causally in the kernel (flash attention)."""
 
     def real(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
         if t.is_floating_point():
-            grad = t.dim() >= 2 and t.shape[0] == batch
-            return torch.randn(t.shape, device=device, dtype=dtype, requires_grad=grad)
+            return torch.randn(t.shape, device=device, dtype=dtype, requires_grad=t.requires_grad)
         if t.is_complex():
             return torch.randn(t.shape, device=device, dtype=t.dtype)
         if t.dtype == torch.bool:
@@ -108,8 +115,13 @@ def _inputs(call: Call, device: torch.device, dtype: torch.dtype, batch: int, vo
         high = min(vocab_size, t.shape[-1]) if t.dim() else 1
         return torch.randint(0, max(high, 1), t.shape, device=device, dtype=t.dtype)
 
+    def causal(key: str, value: Any) -> bool:
+        return key == "attention_mask" and isinstance(value, torch.Tensor) and value.dtype == torch.bool
+
     args, kwargs = call
-    return tuple(tree_map(real, a) for a in args), {k: tree_map(real, v) for k, v in kwargs.items()}
+    return tuple(tree_map(real, a) for a in args), {
+        k: None if causal(k, v) else tree_map(real, v) for k, v in kwargs.items()
+    }
 
 
 def _median_pass(
@@ -132,18 +144,28 @@ def _median_pass(
 
 
 def _time_module(module: nn.Module, call: Call, device: torch.device) -> tuple[float, float]:
-    """Forward, and backward from a gradient of ones on every output that has one."""
+    """Forward, and backward from a gradient of ones on every output that has one. The ones are made in the
+    warm-up pass only: in the model the module after this one makes that gradient, and is charged for it
+    (on this CPU, fresh ones of 32 MB added 30 ms to a head's 39 ms pass: a page fault per 4 KiB)."""
     args, kwargs = call
+    grads: list[torch.Tensor] = []
 
     def backward(out: Any) -> None:
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+        if not grads:
+            grads.extend(torch.ones_like(t) for t in outs)
+        torch.autograd.backward(outs, grads)
 
     return _median_pass(lambda: module(*args, **kwargs), backward, device)
 
 
 def _time_loss(logits: torch.Tensor, targets: torch.Tensor, device: torch.device) -> tuple[float, float]:
-    return _median_pass(lambda: lm_loss(logits, targets), lambda loss: loss.backward(), device)
+    """The loss and its gradient, which in the model flows on into the head (never added to a `.grad`)."""
+
+    def backward(loss: torch.Tensor) -> None:
+        torch.autograd.grad(loss, logits)
+
+    return _median_pass(lambda: lm_loss(logits, targets), backward, device)
 
 
 def measure_blocks(
@@ -171,7 +193,7 @@ def measure_blocks(
     layer = fsdp_layer(meta, units)
     probe_calls: dict[int, list[Call]] = {}
     for batch in TIMING_BATCHES:
-        calls = _capture(meta, paths, batch, seq_len)
+        calls, width = _capture(meta, paths, batch, seq_len)
         seconds = {}
         for path in paths:
             module = meta.get_submodule(path)
@@ -180,11 +202,11 @@ def measure_blocks(
                 real = _materialise(module, device, dtype)
                 if compile:
                     compile_units(real, [""])
-                timed[key] = _time_module(real, _inputs(calls[path], device, dtype, batch, vocab_size), device)
+                timed[key] = _time_module(real, _inputs(calls[path], device, dtype, vocab_size), device)
                 del real
             seconds[path] = timed[key]
         probe_calls[batch] = [calls[p] for p in _called(layer)]
-        logits = torch.randn(batch, seq_len, vocab_size, device=device, dtype=dtype, requires_grad=True)
+        logits = torch.randn(batch, seq_len, width, device=device, dtype=dtype, requires_grad=True)
         targets = torch.randint(0, vocab_size, (batch, seq_len), device=device)
         seconds["<loss>"] = _time_loss(logits, targets, device)
         per_batch[batch] = seconds
@@ -248,7 +270,7 @@ def _fsdp_added(
     called = _called(layer)
     layer_modules = nn.ModuleList(meta.get_submodule(p) for p in called)  # one copy keeps their ties
     length = chain_length(sum(p.numel() for p in layer_modules.parameters()), device_memory(device))
-    inputs = {b: [_inputs(c, device, compute_dtype(precision), b, 1) for c in calls[b]] for b in TIMING_BATCHES}
+    inputs = {b: [_inputs(c, device, compute_dtype(precision), 1) for c in calls[b]] for b in TIMING_BATCHES}
 
     def copies(dtype: torch.dtype) -> Chain:
         made = [

@@ -96,7 +96,7 @@ def _profile(build: Builder, req: PlanRequest, structure: str, dtype: torch.dtyp
     return _profiles[key]
 
 
-DEVICE_CACHE_VERSION = 6  # of a cached device measurement (6: FSDP2 on a chain of layers, per unit, per DTensor)
+DEVICE_CACHE_VERSION = 7  # of a cached device measurement (7: the block probe's loss over the model's logits)
 
 
 def _whole_model_fits(build: Builder, device: torch.device) -> bool:

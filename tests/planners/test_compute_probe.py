@@ -13,9 +13,8 @@ import torch
 from torch import nn
 
 from helpers import REPO, ZooModel, context, plan_zoo, zoo_request
-from osdp_planners.block_probe import (
-    measure_blocks,
-)
+from osdp_planners import block_probe
+from osdp_planners.block_probe import _capture, _inputs, _materialise, measure_blocks
 from osdp_planners.compute_probe import TIMING_BATCHES, MeasuredTimes, compute_copy, measure_totals
 from osdp_planners.hardware import get_preset
 from osdp_planners.mfu import mfu, model_shape
@@ -172,6 +171,42 @@ def _block_over_whole(build: Callable[[str], nn.Module], seq: int, vocab: int, p
         if abs(ratios[-1] - 1) < 0.10:
             break
     return ratios
+
+
+def test_the_block_probes_loss_is_over_the_models_logits_not_the_datas_token_range(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Bytes use 256 token ids; a 7b's head makes 32,000 logits a position, and the loss over them is
+    what a step computes (timed on 256, the loss of a large vocabulary was all but free)."""
+    widths: list[int] = []
+    time_loss = block_probe._time_loss
+
+    def recorded(logits: torch.Tensor, targets: torch.Tensor, device: torch.device) -> tuple[float, float]:
+        widths.append(logits.shape[-1])
+        return time_loss(logits, targets, device)
+
+    monkeypatch.setattr(block_probe, "_time_loss", recorded)
+    times = measure_blocks(ZooModel("llama", 1, 1000, 16), 16, 256, torch.device("cpu"))
+    assert widths == [1000] * len(TIMING_BATCHES)
+    assert times.forward["head"].at(4) > 0
+
+
+def test_a_transformers_attention_is_timed_as_a_device_runs_it() -> None:
+    """On fake tensors transformers builds a boolean causal mask; on a device with nothing padded its SDPA
+    gets none and masks in the kernel, so the probe passes none. The rotary tables need no gradient (in
+    the model they come from a buffer), the hidden states do."""
+    meta = build_model(ModelSection.model_validate({"hf_config": HF_LLAMA}), "meta")
+    path = "model.layers.0.self_attn"
+    captured = _capture(meta, [path], 2, 16)
+    assert captured.logits_width == HF_LLAMA["vocab_size"]
+    args, kwargs = _inputs(captured.calls[path], torch.device("cpu"), torch.bfloat16, 256)
+    assert kwargs["attention_mask"] is None
+    assert kwargs["hidden_states"].requires_grad and kwargs["hidden_states"].dtype == torch.bfloat16
+    cos, sin = kwargs["position_embeddings"]
+    assert not cos.requires_grad and not sin.requires_grad
+    attention = _materialise(meta.get_submodule(path), torch.device("cpu"), torch.bfloat16)
+    out, _ = attention(*args, **kwargs)  # runs unmasked: SDPA masks causally by itself
+    assert out.shape == kwargs["hidden_states"].shape
 
 
 def test_a_plan_made_offline_says_its_times_come_from_the_preset() -> None:
