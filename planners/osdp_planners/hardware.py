@@ -32,6 +32,11 @@ class DevicePreset:
     memory_bandwidth_bytes_per_s: float  # sustained; bounds the optimizer step
     intra_node: LinkSpec
     inter_node: LinkSpec
+    gpu_name: str = ""  # what CUDA's name of such a GPU contains ("NVIDIA H100 80GB HBM3")
+
+    def describes(self, device_name: str) -> bool:
+        """Whether a GPU of this CUDA name is one of this preset's: only then do its timings stand for the pool's."""
+        return bool(self.gpu_name) and self.gpu_name in device_name
 
     @property
     def flops_per_s(self) -> float:
@@ -39,14 +44,18 @@ class DevicePreset:
         return self.peak_flops_per_s * (SUSTAINED_MFU if self.accelerator == "gpu" else 1.0)
 
 
+NVLINK_A100, IB_A100 = LinkSpec(10e-6, 230e9), LinkSpec(20e-6, 23e9)
+NVLINK_HOPPER, IB_HOPPER = LinkSpec(8e-6, 360e9), LinkSpec(15e-6, 46e9)
+PCIE_TITAN, ETHERNET_TITAN = LinkSpec(20e-6, 10e9), LinkSpec(50e-6, 1.2e9)
+
 PRESETS: dict[str, DevicePreset] = {
     p.name: p
     for p in (
-        DevicePreset("a100-40gb", "gpu", 40 * GIB, 312e12, 1.3e12, LinkSpec(10e-6, 230e9), LinkSpec(20e-6, 23e9)),
-        DevicePreset("a100-80gb", "gpu", 80 * GIB, 312e12, 1.6e12, LinkSpec(10e-6, 230e9), LinkSpec(20e-6, 23e9)),
-        DevicePreset("h100-80gb", "gpu", 80 * GIB, 989e12, 2.6e12, LinkSpec(8e-6, 360e9), LinkSpec(15e-6, 46e9)),
-        DevicePreset("h200-141gb", "gpu", 141 * GIB, 989e12, 3.8e12, LinkSpec(8e-6, 360e9), LinkSpec(15e-6, 46e9)),
-        DevicePreset("rtx-titan-24gb", "gpu", 24 * GIB, 130e12, 0.5e12, LinkSpec(20e-6, 10e9), LinkSpec(50e-6, 1.2e9)),
+        DevicePreset("a100-40gb", "gpu", 40 * GIB, 312e12, 1.3e12, NVLINK_A100, IB_A100, "A100"),
+        DevicePreset("a100-80gb", "gpu", 80 * GIB, 312e12, 1.6e12, NVLINK_A100, IB_A100, "A100"),
+        DevicePreset("h100-80gb", "gpu", 80 * GIB, 989e12, 2.6e12, NVLINK_HOPPER, IB_HOPPER, "H100"),
+        DevicePreset("h200-141gb", "gpu", 141 * GIB, 989e12, 3.8e12, NVLINK_HOPPER, IB_HOPPER, "H200"),
+        DevicePreset("rtx-titan-24gb", "gpu", 24 * GIB, 130e12, 0.5e12, PCIE_TITAN, ETHERNET_TITAN, "TITAN RTX"),
         # CPU workers with gloo on one host: the figures measured in FSDP2_NOTES (2 ranks, 2 cores).
         DevicePreset("cpu", "cpu", 8 * GIB, 20e9, 5e9, LinkSpec(0.6e-3, 0.6e9), LinkSpec(1e-3, 0.1e9)),
     )

@@ -16,7 +16,7 @@ from helpers import REPO, ZooModel, context, plan_zoo, zoo_request
 from osdp_planners import block_probe
 from osdp_planners.block_probe import _capture, _inputs, _materialise, measure_blocks
 from osdp_planners.compute_probe import TIMING_BATCHES, MeasuredTimes, compute_copy, measure_totals
-from osdp_planners.hardware import get_preset
+from osdp_planners.hardware import PRESETS, get_preset
 from osdp_planners.mfu import mfu, model_shape
 from osdp_planners.options import Option
 from osdp_planners.plan import Strategy
@@ -207,6 +207,23 @@ def test_a_transformers_attention_is_timed_as_a_device_runs_it() -> None:
     attention = _materialise(meta.get_submodule(path), torch.device("cpu"), torch.bfloat16)
     out, _ = attention(*args, **kwargs)  # runs unmasked: SDPA masks causally by itself
     assert out.shape == kwargs["hidden_states"].shape
+
+
+@pytest.mark.parametrize(
+    ("device_name", "presets"),
+    [
+        ("NVIDIA H100 80GB HBM3", {"h100-80gb"}),
+        ("NVIDIA H100 PCIe", {"h100-80gb"}),
+        ("NVIDIA H200", {"h200-141gb"}),
+        ("NVIDIA A100-SXM4-80GB", {"a100-40gb", "a100-80gb"}),
+        ("NVIDIA TITAN RTX", {"rtx-titan-24gb"}),
+        ("NVIDIA GeForce RTX 4090", set()),
+        ("NVIDIA L40S", set()),
+    ],
+)
+def test_only_a_gpu_of_the_presets_kind_times_the_model(device_name: str, presets: set[str]) -> None:
+    """`plan` on a workstation's GPU for an H100 pool must not time the workstation's card (CUDA's names)."""
+    assert {name for name, preset in PRESETS.items() if preset.describes(device_name)} == presets
 
 
 def test_a_plan_made_offline_says_its_times_come_from_the_preset() -> None:

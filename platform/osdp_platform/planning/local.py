@@ -46,16 +46,18 @@ def _host_memory_bytes() -> int:
 
 
 def measure_device(recipe: Recipe, param_count: int) -> str | None:
-    """Where this process can time the model for real: CPU pools here, GPU pools on a GPU worker.
+    """Where this process can time the model for real: CPU pools here, GPU pools on a GPU of the preset's.
 
     The gate is the memory this process really has, not the recipe's budget: a tight planning
-    budget must not switch measurement off. Any GPU times the model: whole where it fits, else
-    block by block (osdp_planners.block_probe).
+    budget must not switch measurement off. A GPU of the preset's kind times the model: whole where
+    it fits, else block by block (osdp_planners.block_probe). Another GPU (`plan` on a workstation
+    for an H100 pool) would time the wrong device: the times then come from the preset, as offline.
     """
     states = 16 * param_count  # fp32 params, grads and two AdamW moments
     if recipe.hardware.accelerator == "cpu":
         return "cpu" if states < MEASURE_LIMIT_FRACTION * _host_memory_bytes() else None
-    return "cuda" if torch.cuda.is_available() else None  # too large to time whole: block by block
+    preset = get_preset(recipe.hardware.preset)
+    return "cuda" if torch.cuda.is_available() and preset.describes(torch.cuda.get_device_name()) else None
 
 
 def plan_recipe(recipe: Recipe) -> PlanResult:
