@@ -116,10 +116,11 @@ def _time_on_device(
     )
     key = hashlib.sha256(f"{shape}|{req.world_size}|{name}".encode()).hexdigest()[:16]
 
-    def measure() -> dict[str, Any]:
-        meter = WaitMeter()
-        if _whole_model_fits(build, device):
-            times = measure_times(
+    def whole() -> MeasuredTimes | None:
+        """The model timed whole, or None where its activations at the timing batch ran out of memory (the
+        fit counts only its states: a 1b model at seq 8192 holds more in activations than in states)."""
+        try:
+            return measure_times(
                 build,
                 req.seq_len,
                 req.token_range,
@@ -130,7 +131,15 @@ def _time_on_device(
                 req.world_size,
                 req.compile,
             )
-        else:
+        except torch.cuda.OutOfMemoryError:
+            return None
+
+    def measure() -> dict[str, Any]:
+        meter = WaitMeter()
+        times = whole() if _whole_model_fits(build, device) else None
+        if times is None:
+            if device.type == "cuda":  # what the whole model's attempt left cached (its frames are gone)
+                torch.cuda.empty_cache()
             times = measure_blocks(
                 build, req.seq_len, req.token_range, device, req.precision, req.optimizer, req.world_size, req.compile
             )

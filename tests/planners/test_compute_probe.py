@@ -7,13 +7,14 @@ import subprocess
 import sys
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 from helpers import REPO, ZooModel, context, plan_zoo, zoo_request
-from osdp_planners import block_probe
+from osdp_planners import block_probe, make_plan
 from osdp_planners.block_probe import _capture, _inputs, _materialise, measure_blocks
 from osdp_planners.compute_probe import TIMING_BATCHES, MeasuredTimes, compute_copy, measure_totals
 from osdp_planners.hardware import PRESETS, get_preset
@@ -22,6 +23,7 @@ from osdp_planners.options import Option
 from osdp_planners.plan import Strategy
 from osdp_planners.profile import Linear1
 from osdp_planners.runtime import make_optimizer
+from osdp_planners.units import ROOT, find_units
 from osdp_platform.recipe.schema import ModelSection
 from osdp_platform.runtime.models import build_model
 from osdp_platform.tracking.report import comparison
@@ -116,6 +118,26 @@ def test_device_times_survive_the_disk_cache() -> None:
     lines = {"a": Linear1(0.5, 0.25)}, {"a": Linear1(1.0, 0.125)}
     times = MeasuredTimes(*lines, 3e-9, fsdp, {"zero2": Linear1(2e-4, 0.0)}, {"zero3": 2e-5})
     assert MeasuredTimes.from_dict(json.loads(json.dumps(times.to_dict()))) == times
+
+
+def test_a_model_whose_activations_run_the_gpu_out_of_memory_is_timed_block_by_block(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Its states fit the probe's share, so it is timed whole first; when that runs out of memory (a 1b at
+    seq 8192 holds more in activations than in states), planning goes on block by block."""
+    monkeypatch.setenv("OSDP_CACHE_DIR", str(tmp_path))
+    tried: list[str] = []
+
+    def out_of_memory(*_args: object) -> MeasuredTimes:
+        tried.append("whole")
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 31.31 GiB")
+
+    monkeypatch.setattr(make_plan, "measure_times", out_of_memory)
+    build = ZooModel("llama", 2)
+    times = make_plan._time_on_device(build, zoo_request("llama", 2, seq_len=16), torch.device("cpu"), {}, "s")
+    assert tried == ["whole"]
+    assert {u.name for u in find_units(build("meta"), 16)} | {ROOT} == set(times.forward)
+    assert times.forward["head"].at(4) > 0
 
 
 BLOCK_SUM_TOLERANCE = 0.25
