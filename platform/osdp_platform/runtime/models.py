@@ -143,7 +143,8 @@ def build_model(section: ModelSection, device: str | torch.device = "cpu") -> nn
     """The whole model on `device`, from the global RNG state (seed first for identical weights on every rank).
 
     On meta nothing is initialised (planning). Elsewhere a model with an init protocol is initialised
-    module by module exactly as `build_sharded` does; one without is built by its own constructor.
+    module by module exactly as `build_sharded` does; one without is built by its own constructor on
+    CPU and moved, as `build_sharded` builds it at every world size (a GPU's generator draws otherwise).
     """
     if detect_fake_mode() is not None:  # profiling on fake tensors: no values to draw
         with torch.device(device):
@@ -155,8 +156,7 @@ def build_model(section: ModelSection, device: str | torch.device = "cpu") -> nn
     protocol = init_protocol(model)
     if protocol is None:
         torch.set_rng_state(rng)
-        with torch.device(device):
-            return _construct(section)
+        return _construct(section).to(device)
     _to_empty(model, device)
     tie = getattr(model, "tie_weights", None)
     if callable(tie):
