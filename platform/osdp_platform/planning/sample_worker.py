@@ -1,5 +1,6 @@
 """Plan on a sample worker: the planner actor, placed like one training worker, runs `local.plan_recipe` there."""
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -13,6 +14,7 @@ from osdp_planners.errors import UserError
 from osdp_platform.driver.cluster import pool_request
 from osdp_platform.planning.local import plan_recipe
 from osdp_platform.recipe.schema import Recipe
+from osdp_platform.runtime.worker_env import worker_env
 
 PLANNER_TIMEOUT_S = 600  # for planning, once the actor is placed (hardware.wait_for_nodes_s until then)
 
@@ -56,10 +58,13 @@ def _wait_until_placed(actor: Any, recipe: Recipe) -> None:
 
 @contextmanager
 def sample_worker(recipe: Recipe) -> Iterator[Any]:
-    """A planner actor placed like one training worker (same pool); killed on leaving, which frees the worker
-    again for training."""
-    gpu = 1 if recipe.hardware.accelerator == "gpu" else 0
-    options = {"num_cpus": 1, "num_gpus": gpu, "resources": pool_request(recipe.hardware)}
+    """A planner actor placed like one training worker (same pool), and on a GPU with the workers' allocator
+    settings (runtime.worker_env: the probe times the model as they run it); killed on leaving, which frees
+    the worker again for training."""
+    gpu = recipe.hardware.accelerator == "gpu"
+    options: dict[str, Any] = {"num_cpus": 1, "num_gpus": int(gpu), "resources": pool_request(recipe.hardware)}
+    if gpu:  # on CPU they change nothing, and a worker of its own would start slower than a pooled one
+        options["runtime_env"] = {"env_vars": worker_env(os.environ)}
     actor = PlannerActor.options(**options).remote()  # type: ignore[attr-defined]  # ray.remote's class
     try:
         _wait_until_placed(actor, recipe)
