@@ -46,7 +46,8 @@ PROFILES_KEPT = 8  # models whose profile a process keeps (each is a few hundred
 _profiles: OrderedDict[tuple[str, str, int, int, torch.dtype], ModelProfile] = OrderedDict()
 
 
-PROFILE_CACHE_VERSION = 1  # of a cached profile's layout (the code's own changes are in the key: _code_hash)
+# of a cached profile; the code's own changes are in its key (_code_hash), the model builder's are not
+PROFILE_CACHE_VERSION = 2  # 2: a transformers model profiled in the compute dtype
 
 
 def _code_hash(model: nn.Module) -> str | None:

@@ -1,16 +1,21 @@
 """The profiler on real CPU tensors (small models) records exactly what it records on fake tensors, and falls
 back to fake tensors where a model's ops differ by device."""
 
+import dataclasses
 from collections.abc import Callable
+from functools import partial
 
 import pytest
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from osdp_planners import run_tensors
+from osdp_planners import make_plan_for, run_tensors
 from osdp_planners.options import Variant
 from osdp_planners.profiler import profile_model
+from osdp_platform.planning.local import plan_request
+from osdp_platform.recipe.schema import Recipe
+from osdp_platform.runtime.models import build_model
 from osdp_platform.zoo import build_zoo_model
 from structures import STRUCTURES
 
@@ -60,3 +65,35 @@ def test_a_large_model_profiles_on_fake_tensors() -> None:
         llama_1b, tiny = build_zoo_model("llama", "1b"), build_zoo_model("llama", "tiny")
     assert not run_tensors.small_enough(llama_1b, 2048)
     assert run_tensors.small_enough(tiny, 64) and not run_tensors.small_enough(tiny, 8192)  # long sequences
+
+
+HF_LLAMA = {
+    "model_type": "llama",
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 344,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+
+def test_a_transformers_model_is_profiled_in_the_compute_dtype() -> None:
+    """Under bf16-mixed the workers compute, and keep activations, in bf16; a transformers model was built in
+    fp32 whatever the profiler asked, so its predicted peak was fp32's (32.2 MiB against 20.8 measured on
+    2 CPU workers, as under fp32). Its master weights stay fp32 where nothing else is asked."""
+    peaks = {}
+    for precision in ("fp32", "bf16-mixed"):
+        recipe = Recipe.model_validate(
+            {
+                "model": {"hf_config": HF_LLAMA},
+                "data": {"source": "corpus", "seq_len": 128},
+                "hardware": {"workers_per_node": 2},
+                "planner": {"name": "zero3"},
+                "train": {"micro_batch_size": 8, "precision": precision},
+            }
+        )
+        built = partial(build_model, recipe.model)
+        assert {p.dtype for p in built("meta").parameters()} == {torch.float32}
+        request = dataclasses.replace(plan_request(recipe), model_key=None)  # profiled now, not read from a cache
+        peaks[precision] = make_plan_for(built, request, None).plan.predicted.peak_memory_bytes
+    assert peaks["bf16-mixed"] < 0.75 * peaks["fp32"], peaks

@@ -90,7 +90,9 @@ def _hf_model(section: ModelSection) -> nn.Module:
             "give model_type (e.g. llama, gpt2) and that model's config fields, or the path of a local config.json",
         ) from None
     config.use_cache = False  # training never reads a KV cache; without this every forward returns one
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # torch's default dtype, not the config's (a Hub config says bfloat16): fp32 master weights where the
+    # runtime builds, the compute dtype where the profiler traces activations under bf16-mixed
+    return AutoModelForCausalLM.from_config(config, dtype=torch.get_default_dtype())
 
 
 def _construct(section: ModelSection) -> nn.Module:
