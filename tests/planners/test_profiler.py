@@ -77,6 +77,7 @@ HF_LLAMA = {
     "num_key_value_heads": 2,
 }
 
+
 def test_a_transformers_model_is_profiled_in_the_compute_dtype() -> None:
     """Under bf16-mixed the workers compute, and keep activations, in bf16; a transformers model was built in
     fp32 whatever the profiler asked, so its predicted peak was fp32's (32.2 MiB against 20.8 measured on
