@@ -6,8 +6,11 @@ mistake costs a Ray start, a planner actor and workers (10-60 s), leaves a FAILE
 key or file the user wrote and a fix; nothing here writes anything that stays.
 """
 
+import logging
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
 
@@ -71,22 +74,65 @@ def _model_field(section: ModelSection) -> tuple[str, object]:
     return "model.kwargs", section.kwargs
 
 
+class _Held(logging.Handler):
+    """transformers' warnings while it builds the model: on a config it refuses, they name the fields."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@contextmanager
+def _transformers_warnings_held() -> Iterator[_Held]:
+    """transformers' own handlers are set aside while it builds the model, so that a refused config gets one
+    message; a model that builds passes what was held on to them."""
+    held = _Held()
+    try:  # configures its handlers, which it would otherwise add on first use, beside ours
+        from transformers.utils.logging import get_logger
+    except ImportError:  # build_model says what to install
+        yield held
+        return
+    logger = get_logger("transformers")
+    own, logger.handlers = logger.handlers, [held]
+    try:
+        yield held
+    finally:
+        logger.handlers = own
+    for record in held.records:
+        logger.handle(record)
+
+
 def meta_model(section: ModelSection) -> nn.Module:
     """The model with its parameters on meta: importable, constructible, a Module (no memory, any size)."""
+    if section.hf_config is None:
+        return _built(section, [])
+    with _transformers_warnings_held() as held:
+        return _built(section, held.records)
+
+
+def _built(section: ModelSection, warnings: list[logging.LogRecord]) -> nn.Module:
     try:
         return build_model(section, device="meta")
     except UserError:
         raise
     except Exception as exc:
-        field, value = _model_field(section)
-        text = " ".join(str(exc).split())[:300]
-        raise UserError(
-            field,
-            value,
-            f"building the model on the meta device failed: {type(exc).__name__}: {text}",
-            "make the factory build the model on whatever device is current (meta when planning) from its "
-            "keyword arguments alone; see the README's 'Your own model'",
-        ) from None
+        raise _unbuildable(section, exc, [w.getMessage() for w in warnings]) from None
+
+
+def _unbuildable(section: ModelSection, exc: Exception, warnings: list[str]) -> UserError:
+    field, value = _model_field(section)
+    text = " ".join([f"{type(exc).__name__}: {exc}", *(f"(transformers: {w})" for w in warnings)])
+    problem = f"building the model on the meta device failed: {' '.join(text.split())[:600]}"
+    if section.hf_config is not None:  # transformers refused the config, not a factory's code
+        return UserError(field, value, problem, "make the config's fields agree with each other (see above)")
+    fix = (
+        "make the factory build the model on whatever device is current (meta when planning) from its "
+        "keyword arguments alone; see the README's 'Your own model'"
+    )
+    return UserError(field, value, problem, fix)
 
 
 def check_plan_file(recipe: Recipe, model: nn.Module) -> None:

@@ -132,6 +132,12 @@ CASES: dict[str, Case] = {
     "hf config unknown type": Case(
         _on_tiny("model.family=null", "model.size=null", "model.hf_config.model_type=nosuchmodel"), "model.hf_config"
     ),
+    "hf config fields disagree": Case(  # phi3's default pad_token_id (32000) is past the vocabulary
+        _on_tiny(
+            "model.family=null", "model.size=null", "model.hf_config.model_type=phi3", "model.hf_config.vocab_size=300"
+        ),
+        "pad_token_id must be `None` or an integer within the vocabulary",
+    ),
     "vocab below tokenizer": Case(_on_tiny("data.tokenizer=bpe", "model.kwargs.vocab_size=300"), "vocab"),
     # hardware, planner, train
     "unknown preset": Case(_on_tiny("hardware.preset=tpu-v9"), "hardware.preset"),
