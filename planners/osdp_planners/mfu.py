@@ -1,11 +1,13 @@
 """Model FLOPs utilisation: the share of the device's peak a training run turns into model arithmetic.
 
-MFU = (6 N + 12 L d s) x tokens/s / peak FLOP/s, with N the weights of the model's Linear layers, L
+MFU = (6 N + 12 L d s) x tokens/s / peak FLOP/s, with N the weights of the model's Linear layers
+(transformers' GPT-2 has its own, `Conv1D`), L
 its layers, d its width and s the sequence length (the PaLM paper's count: 6 FLOPs per weight per
 token for forward and backward, and the attention scores and values). Recomputation is not model
 arithmetic, so checkpointing lowers MFU; the peak is the preset's (hardware.py).
 """
 
+import sys
 from dataclasses import dataclass
 
 from torch import nn
@@ -24,9 +26,16 @@ class ModelShape:
         return 6 * self.linear_params + 12 * self.n_layers * self.dim * seq_len
 
 
+def _linear_kinds() -> tuple[type[nn.Module], ...]:
+    """nn.Linear, and transformers' Conv1D where a model has loaded it (GPT-2's Linear, its weight transposed)."""
+    conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+    return (nn.Linear,) if conv1d is None else (nn.Linear, conv1d)
+
+
 def model_shape(model: nn.Module) -> ModelShape:
     """N from the model's Linear layers (on any device, meta included), L and d from its `config`."""
-    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    kinds = _linear_kinds()
+    linear = sum(m.get_parameter("weight").numel() for m in model.modules() if isinstance(m, kinds))
     config = getattr(model, "config", None)
     for layers, width in _SHAPE_NAMES:
         if isinstance(getattr(config, layers, None), int) and isinstance(getattr(config, width, None), int):

@@ -77,6 +77,15 @@ def test_mfu_of_the_tiny_llama_by_hand() -> None:
     assert mfu(1000.0, shape.flops_per_token(64), 1e12) == pytest.approx(1000 * 740_352 / 1e12)
 
 
+def test_mfu_counts_the_weights_of_transformers_gpt2_whose_linears_are_conv1d() -> None:
+    """GPT-2 in transformers multiplies by Conv1D layers (4 d^2 of attention and 8 d^2 of MLP a layer); only
+    its tied head is an nn.Linear, so MFU counted 1/7 of its weights here."""
+    config = {"model_type": "gpt2", "vocab_size": 512, "n_embd": 128, "n_layer": 2, "n_head": 4}
+    shape = model_shape(build_model(ModelSection.model_validate({"hf_config": config}), "meta"))
+    assert shape.linear_params == 2 * 12 * 128 * 128 + 512 * 128
+    assert (shape.n_layers, shape.dim) == (2, 128)
+
+
 def test_mfu_matches_the_issues_h200_measurement() -> None:
     """Issue 23: llama 1b at seq 2048, 48,090 tokens/s on one H200 is 40.0% MFU (peak 989 TFLOP/s)."""
     shape = model_shape(build_model(ModelSection(family="llama", size="1b"), "meta"))
