@@ -48,10 +48,10 @@ class Captured(NamedTuple):
     logits_width: int  # the model's vocabulary: the loss is over it, whatever range the data's tokens take
 
 
-def _capture(model: nn.Module, paths: list[str], batch: int, seq_len: int) -> Captured:
-    """The (args, kwargs) each module in `paths` is first called with, on fake tensors (as the profile traces
-    the model), and the width of the logits. Grad mode is on, so an argument requires a gradient exactly
-    where training's does (activations, not rotary tables)."""
+def _capture(model: nn.Module, paths: list[str], batch: int, seq_len: int, dtype: torch.dtype) -> Captured:
+    """The (args, kwargs) each module in `paths` is first called with, on fake tensors with parameters in
+    the compute `dtype` (as the profile traces the model), and the width of the logits. Grad mode is on, so
+    an argument requires a gradient exactly where training's does (activations, not rotary tables)."""
     calls: dict[str, Call] = {}
     hooks = []
     for path in paths:
@@ -61,7 +61,7 @@ def _capture(model: nn.Module, paths: list[str], batch: int, seq_len: int) -> Ca
 
         hooks.append(model.get_submodule(path).register_forward_pre_hook(hook, with_kwargs=True))
     try:
-        with fake_state(model) as (fakes, device), torch.enable_grad():
+        with fake_state(model, dtype) as (fakes, device), torch.enable_grad():
             tokens = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
             logits = logits_of(functional_call(model, fakes, (tokens,)))
     finally:
@@ -193,7 +193,7 @@ def measure_blocks(
     layer = fsdp_layer(meta, units)
     probe_calls: dict[int, list[Call]] = {}
     for batch in TIMING_BATCHES:
-        calls, width = _capture(meta, paths, batch, seq_len)
+        calls, width = _capture(meta, paths, batch, seq_len, dtype)
         seconds = {}
         for path in paths:
             module = meta.get_submodule(path)

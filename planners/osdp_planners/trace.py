@@ -7,6 +7,7 @@ planner and `apply_plan` both trace, so both find the same units. The user's for
 first, so a model the platform cannot plan fails here with one message naming its module.
 """
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -89,18 +90,26 @@ def _trace_device(model: nn.Module) -> torch.device:
 
 
 @contextmanager
-def fake_state(model: nn.Module) -> Iterator[tuple[dict[str, torch.Tensor], torch.device]]:
+def fake_state(
+    model: nn.Module, param_dtype: torch.dtype | None = None
+) -> Iterator[tuple[dict[str, torch.Tensor], torch.device]]:
     """Fake tensors of `model`'s parameters and buffers (by name) and their device (CPU for a meta model),
     inside a fake mode, for `functional_call`; what a forward does to the modules is undone after.
     Meta tensors alone do not do: a model may read a value that fake tensors let it skip (transformers'
-    masks check for packed sequences unless the input is fake)."""
+    masks check for packed sequences unless the input is fake). `param_dtype` recasts the floating
+    parameters, and only them, as FSDP2's mixed-precision policy does."""
     device = _trace_device(model)
     mode = detect_fake_mode() or FakeTensorMode(allow_non_fake_inputs=True)
+
+    def dtype(t: torch.Tensor, is_param: bool) -> torch.dtype:
+        return param_dtype if is_param and param_dtype is not None and t.is_floating_point() else t.dtype
+
+    tensors = [(n, t, True) for n, t in model.named_parameters()] + [(n, t, False) for n, t in model.named_buffers()]
     with _restored(model), torch.random.fork_rng(devices=[]), mode:
         yield (
             {
-                n: torch.empty(t.shape, dtype=t.dtype, device=device, requires_grad=t.requires_grad)
-                for n, t in [*model.named_parameters(), *model.named_buffers()]
+                n: torch.empty(t.shape, dtype=dtype(t, p), device=device, requires_grad=t.requires_grad)
+                for n, t, p in tensors
             },
             device,
         )
@@ -111,11 +120,14 @@ def _fail(model: nn.Module, path: str, problem: str) -> UserError:
     return UserError("model", path or ROOT, f"{kind}: {problem}", MODEL_CONTRACT)
 
 
-def trace_calls(model: nn.Module, seq_len: int, vocab_size: int | None = None) -> CallTrace:
+def trace_calls(
+    model: nn.Module, seq_len: int, vocab_size: int | None = None, param_dtype: torch.dtype | None = None
+) -> CallTrace:
     """Run `model` once on fake tensors of its parameters' shapes; the model itself is left untouched.
 
     Grad mode stays as training has it: some modules take another path without grad (fused kernels).
-    `vocab_size`, when given, is the token range of the data: the logits must cover it.
+    `vocab_size`, when given, is the token range of the data: the logits must cover it. `param_dtype`
+    fakes the floating parameters in that dtype (see `fake_state`).
     """
     paths = {id(m): p for p, m in model.named_modules()}
     trace, stack = CallTrace(), []
@@ -134,11 +146,11 @@ def trace_calls(model: nn.Module, seq_len: int, vocab_size: int | None = None) -
 
     handles = [h for m in model.modules() for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
     try:
-        with fake_state(model) as (fakes, device):
+        with fake_state(model, param_dtype) as (fakes, device):
             names = {id(fakes[n]): n for n, _ in model.named_parameters()}
             tokens = torch.zeros(TRACE_BATCH, seq_len, dtype=torch.long, device=device)
             try:
-                with _ParamUses(names, stack, trace):
+                with _ParamUses(names, stack, trace), _meta_errors_quiet():
                     out = functional_call(model, fakes, (tokens,))
             except Exception as exc:  # the user's forward: name the module it failed in
                 where = stack[-1] if stack else ""
@@ -173,3 +185,43 @@ def trace_calls(model: nn.Module, seq_len: int, vocab_size: int | None = None) -
         for h in handles:
             h.remove()
     return trace
+
+
+def bf16_only(model: nn.Module, seq_len: int, vocab_size: int | None = None) -> bool:
+    """Whether `model` fails to trace in its own dtype but traces with bf16 parameters.
+
+    torch's meta kernel of `_grouped_mm` (the experts of transformers' mixture-of-experts layers)
+    accepts bf16 alone, as the CUDA kernel it mirrors, so such a forward traces only as FSDP2's
+    bf16-mixed policy runs it.
+    """
+    floats = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if not floats or floats == {torch.bfloat16}:
+        return False
+    try:
+        trace_calls(model, seq_len, vocab_size, torch.bfloat16)
+    except UserError:
+        return False
+    return True
+
+
+def trace_structure(model: nn.Module, seq_len: int, vocab_size: int | None = None) -> CallTrace:
+    """The trace that unit discovery needs: which modules run and what reads each parameter does not
+    depend on the dtype, so a forward that traces only in bf16 (`bf16_only`) is traced in bf16."""
+    try:
+        return trace_calls(model, seq_len, vocab_size)
+    except UserError:
+        if not bf16_only(model, seq_len, vocab_size):
+            raise
+    return trace_calls(model, seq_len, vocab_size, torch.bfloat16)
+
+
+@contextmanager
+def _meta_errors_quiet() -> Iterator[None]:
+    """Fake tensors log each failing meta kernel's traceback as an error; the trace's own error names it."""
+    logger = logging.getLogger(FakeTensorMode.__module__)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

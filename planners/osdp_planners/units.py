@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from osdp_planners.trace import ROOT as ROOT  # the root unit's name, re-exported for the units' users
-from osdp_planners.trace import CallTrace, trace_calls
+from osdp_planners.trace import CallTrace, trace_structure
 
 
 @dataclass(frozen=True)
@@ -309,7 +309,7 @@ def _splittable(
 
 def find_units(model: nn.Module, seq_len: int, vocab_size: int | None = None) -> list[Unit]:
     """The model's sharding units, from one fake forward on `seq_len` tokens (raises UserError if it fails)."""
-    return units_of(model, trace_calls(model, seq_len, vocab_size))
+    return units_of(model, trace_structure(model, seq_len, vocab_size))
 
 
 def structure_hash(model: nn.Module) -> str:

@@ -228,7 +228,7 @@ def test_a_transformers_attention_is_timed_as_a_device_runs_it() -> None:
     the model they come from a buffer), the hidden states do."""
     meta = build_model(ModelSection.model_validate({"hf_config": HF_LLAMA}), "meta")
     path = "model.layers.0.self_attn"
-    captured = _capture(meta, [path], 2, 16)
+    captured = _capture(meta, [path], 2, 16, torch.float32)
     assert captured.logits_width == HF_LLAMA["vocab_size"]
     args, kwargs = _inputs(captured.calls[path], torch.device("cpu"), torch.bfloat16, 256)
     assert kwargs["attention_mask"] is None

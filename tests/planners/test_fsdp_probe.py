@@ -174,7 +174,10 @@ def test_the_block_probe_measures_fsdp2_on_a_chain_of_a_decoders_layers() -> Non
     layer = fsdp_layer(meta, units)
     assert [[p.rsplit(".", 1)[-1] for p in unit.modules] for unit in layer] == [["attn"], ["mlp"]], layer
     assert {p.split(".")[1] for unit in layer for p in unit.modules} == {"0"}, "the first layer's"
-    calls = {b: [_capture(meta, [p], b, 32).calls[p] for unit in layer for p in unit.modules] for b in TIMING_BATCHES}
+    calls = {
+        b: [_capture(meta, [p], b, 32, torch.float32).calls[p] for unit in layer for p in unit.modules]
+        for b in TIMING_BATCHES
+    }
     added = _fsdp_added(meta, layer, calls, torch.device("cpu"), "fp32", 2, "adamw")
     assert set(added) == {"ddp", "zero2", "zero3"}
     assert all(set(a.seconds) == set(TIMING_BATCHES) for a in added.values())
@@ -194,7 +197,7 @@ def test_the_layer_chain_runs_for_other_layouts(name: str) -> None:
     largest = max(units, key=lambda u: u.param_count)
     assert (layer == [largest]) == (name == "tied_across"), layer
     called = [p for unit in layer for p in unit.modules]
-    calls = {b: [_capture(meta, [p], b, 16).calls[p] for p in called] for b in TIMING_BATCHES}
+    calls = {b: [_capture(meta, [p], b, 16, torch.float32).calls[p] for p in called] for b in TIMING_BATCHES}
     added = _fsdp_added(meta, layer, calls, torch.device("cpu"), "bf16-mixed", 2, "adamw")
     assert {a.nbytes for a in added.values()} == {CHAIN * 4 * sum(u.param_count for u in layer)}
 
