@@ -15,6 +15,7 @@ A module that runs twice in one forward has a reading per call, keyed by its pat
 to the latest call whose backward has not started.
 """
 
+import warnings
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,6 +28,8 @@ from torch.utils.flop_counter import flop_registry
 
 from osdp_planners.torch_private import ModTracker, TorchDispatchMode, tree_leaves
 
+MOD_TRACKER_NESTING = "The module hierarchy tracking maybe be messed up"
+
 
 def call_key(path: str, call: int) -> str:
     """The reading's key for the `call`-th (1-based) forward of the module at `path`."""
@@ -38,6 +41,17 @@ class ModuleReadings:
     values: dict[str, float] = field(default_factory=dict)  # pre_fw, post_fw, pre_bw, post_bw
     spans: dict[str, tuple[int, int]] = field(default_factory=dict)  # fw / bw -> first, last trace index
     flops: float = 0.0
+
+
+def _grouped_mm_flops(mat_a: torch.Tensor, mat_b: torch.Tensor, *_args: Any, out_val: torch.Tensor, **_kw: Any) -> int:
+    """torch counts no FLOPs for a grouped matmul (the experts of transformers' mixture-of-experts layers):
+    each output element is a dot product over `mat_a`'s last dimension, which two 2D operands (a weight's
+    gradient) split among the groups of their 3D output instead."""
+    groups = out_val.shape[0] if mat_a.dim() == 2 and mat_b.dim() == 2 else 1
+    return 2 * out_val.numel() // groups * mat_a.shape[-1]
+
+
+FLOP_COUNTS = {**flop_registry, torch.ops.aten._grouped_mm: _grouped_mm_flops}
 
 
 class _Live(TorchDispatchMode):
@@ -54,8 +68,8 @@ class _Live(TorchDispatchMode):
                 rec.track(t)
         packet = func._overloadpacket
         target = rec.forward_target()
-        if packet in flop_registry and target is not None:
-            target.flops += flop_registry[packet](*args, **kwargs, out_val=out)
+        if packet in FLOP_COUNTS and target is not None:
+            target.flops += FLOP_COUNTS[packet](*args, **kwargs, out_val=out)
         if func.namespace != "prim":  # prim queries allocate nothing and come and go with fake mode's caches
             rec.mark(packet.__name__)
         return out
@@ -212,6 +226,10 @@ class Recorder:
                 self._free_grads(self.grad_groups.pop(mod))
 
         tracker.register_user_hooks(pre_fw, post_fw, pre_bw, post_bw)
-        with tracker, _Live(self):
+        with tracker, _Live(self), warnings.catch_warnings():
+            # ModTracker names a module outside the model's tree by its class, so two of transformers'
+            # kernelized functions (`Func`, rotary embeddings) nest under one name and it warns; readings
+            # are keyed by this recorder's own paths, which those modules are not among
+            warnings.filterwarnings("ignore", message=MOD_TRACKER_NESTING)
             yield
         self.close_all()
