@@ -149,7 +149,10 @@ def _solve(
     ).tocsr()
     lower = np.concatenate([np.zeros(n), np.full(k + extra, -np.inf)])
     upper = np.concatenate([np.ones(n), levels_upper, np.full(extra, np.inf)])
-    # HiGHS's presolve has declared feasible programs infeasible, and left infeasible ones unanswered: ask again
+    # HiGHS's presolve has declared feasible programs infeasible, and left infeasible ones unanswered: ask
+    # again; infeasible without presolve, or with it and unanswered without (as a relaxation at 8 sequences
+    # of the 8-layer test model was), is infeasible
+    said_infeasible = False
     for presolve in (True, False):
         res = milp(
             np.concatenate(c),
@@ -160,8 +163,9 @@ def _solve(
         )
         if res.status not in (INFEASIBLE, OTHER):
             break
+        said_infeasible |= res.status == INFEASIBLE
     if res.x is None:  # proven infeasible (status 2), or stopped before finding a solution
-        return None, np.inf if res.status == INFEASIBLE else -np.inf
+        return None, np.inf if res.status == INFEASIBLE or (res.status == OTHER and said_infeasible) else -np.inf
     dual = res.fun if relaxed else res.get("mip_dual_bound")
     return res.x[:n], (-np.inf if dual is None else float(dual) / seconds)
 
