@@ -47,7 +47,7 @@ _profiles: OrderedDict[tuple[str, str, int, int, torch.dtype], ModelProfile] = O
 
 
 # of a cached profile; the code's own changes are in its key (_code_hash), the model builder's are not
-PROFILE_CACHE_VERSION = 3  # 2: a transformers model profiled in the compute dtype; 3: grouped matmuls have FLOPs
+PROFILE_CACHE_VERSION = 3  # 2: a transformers model profiled in the compute dtype; 3: grouped mm, CPU SDPA FLOPs
 
 
 def _code_hash(model: nn.Module) -> str | None:

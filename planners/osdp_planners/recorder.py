@@ -51,7 +51,15 @@ def _grouped_mm_flops(mat_a: torch.Tensor, mat_b: torch.Tensor, *_args: Any, out
     return 2 * out_val.numel() // groups * mat_a.shape[-1]
 
 
-FLOP_COUNTS = {**flop_registry, torch.ops.aten._grouped_mm: _grouped_mm_flops}
+# torch's counter has the attention kernels of CUDA alone, and the profile traces on CPU fake tensors,
+# where scaled_dot_product_attention runs the CPU flash kernel: its FLOPs are those of CUDA's
+FLOP_COUNTS = {
+    **flop_registry,
+    torch.ops.aten._grouped_mm: _grouped_mm_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: flop_registry[
+        torch.ops.aten._scaled_dot_product_flash_attention
+    ],
+}
 
 
 class _Live(TorchDispatchMode):

@@ -14,7 +14,7 @@ from osdp_planners import make_plan_for, run_tensors
 from osdp_planners.options import Variant
 from osdp_planners.profiler import profile_model
 from osdp_platform.planning.local import plan_request
-from osdp_platform.recipe.schema import Recipe
+from osdp_platform.recipe.schema import ModelSection, Recipe
 from osdp_platform.runtime.models import build_model
 from osdp_platform.zoo import build_zoo_model
 from structures import STRUCTURES
@@ -98,3 +98,13 @@ def test_a_transformers_model_is_profiled_in_the_compute_dtype() -> None:
         request = dataclasses.replace(plan_request(recipe), model_key=None)  # profiled now, not read from a cache
         peaks[precision] = make_plan_for(built, request, None).plan.predicted.peak_memory_bytes
     assert peaks["bf16-mixed"] < 0.75 * peaks["fp32"], peaks
+
+
+def test_attention_counts_the_flops_of_its_scaled_dot_product() -> None:
+    """The profile traces on CPU, where scaled_dot_product_attention runs a kernel torch's FLOP counter has
+    no formula for: the zoo llama's attention counted its four Linears alone, and the preset priced its
+    scores and values at nothing. Per sequence of SEQ tokens: the q, k, v, o projections (64 -> 64, 32, 32,
+    64) and the scores and values, 2 x 2 x SEQ x SEQ x 64 over its heads."""
+    profile = profile_model(partial(build_model, ModelSection(family="llama", size="tiny")), SEQ, VOCAB, variants=())
+    projections = 2 * SEQ * 64 * (64 + 32 + 32 + 64)
+    assert profile.forward_flops("layers.0.attn", 1) == projections + 4 * SEQ * SEQ * 64
