@@ -187,8 +187,8 @@ def trace_calls(
     return trace
 
 
-def bf16_only(model: nn.Module, seq_len: int, vocab_size: int | None = None) -> bool:
-    """Whether `model` fails to trace in its own dtype but traces with bf16 parameters.
+def _in_bf16(model: nn.Module, seq_len: int, vocab_size: int | None) -> CallTrace | None:
+    """The trace with bf16 parameters where `model` has floating ones of another dtype and it succeeds.
 
     torch's meta kernel of `_grouped_mm` (the experts of transformers' mixture-of-experts layers)
     accepts bf16 alone, as the CUDA kernel it mirrors, so such a forward traces only as FSDP2's
@@ -196,23 +196,28 @@ def bf16_only(model: nn.Module, seq_len: int, vocab_size: int | None = None) -> 
     """
     floats = {p.dtype for p in model.parameters() if p.is_floating_point()}
     if not floats or floats == {torch.bfloat16}:
-        return False
+        return None
     try:
-        trace_calls(model, seq_len, vocab_size, torch.bfloat16)
+        return trace_calls(model, seq_len, vocab_size, torch.bfloat16)
     except UserError:
-        return False
-    return True
+        return None
+
+
+def bf16_only(model: nn.Module, seq_len: int, vocab_size: int | None = None) -> bool:
+    """Whether `model`, which failed to trace in its own dtype, traces with bf16 parameters."""
+    return _in_bf16(model, seq_len, vocab_size) is not None
 
 
 def trace_structure(model: nn.Module, seq_len: int, vocab_size: int | None = None) -> CallTrace:
     """The trace that unit discovery needs: which modules run and what reads each parameter does not
-    depend on the dtype, so a forward that traces only in bf16 (`bf16_only`) is traced in bf16."""
+    depend on the dtype, so a forward that traces only with bf16 parameters is traced with them."""
     try:
         return trace_calls(model, seq_len, vocab_size)
     except UserError:
-        if not bf16_only(model, seq_len, vocab_size):
+        in_bf16 = _in_bf16(model, seq_len, vocab_size)
+        if in_bf16 is None:
             raise
-    return trace_calls(model, seq_len, vocab_size, torch.bfloat16)
+        return in_bf16
 
 
 @contextmanager
