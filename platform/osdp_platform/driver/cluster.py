@@ -7,6 +7,7 @@ and an autoscaler grows the group that provides them.
 
 import logging
 import os
+from collections.abc import Mapping
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -18,6 +19,17 @@ from osdp_platform.recipe.schema import HardwareSection, Recipe
 def pool_request(hw: HardwareSection) -> dict[str, float]:
     """The custom resource one worker (or the planner actor) takes: one unit of the pool, or nothing."""
     return {hw.pool_resource: 1.0} if hw.pool_resource else {}
+
+
+def worker_resources(hw: HardwareSection) -> dict[str, float]:
+    """What one worker takes (as submit's ScalingConfig asks for it)."""
+    return {"CPU": 1.0, **({"GPU": 1.0} if hw.accelerator == "gpu" else {}), **pool_request(hw)}
+
+
+def hosted(node_resources: list[Mapping[str, float]], hw: HardwareSection) -> list[int]:
+    """How many workers each node can host, from its total resources."""
+    need = worker_resources(hw)
+    return [min(int(res.get(k, 0.0) // v) for k, v in need.items()) for res in node_resources]
 
 
 def beside_the_driver() -> NodeAffinitySchedulingStrategy:
@@ -81,3 +93,22 @@ def check_cluster(recipe: Recipe) -> None:
             "lower hardware.nodes / hardware.workers_per_node, add nodes, or set hardware.autoscaling=true on "
             "an autoscaling cluster",
         )
+    check_nodes_host_the_plan(hosted([n["Resources"] for n in ray.nodes() if n["Alive"]], hw), hw)
+
+
+def check_nodes_host_the_plan(hosts: list[int], hw: HardwareSection) -> None:
+    """The plan puts workers_per_node ranks on each of `nodes` nodes: its shard groups stay inside a node
+    and only the traffic between nodes crosses the slower links. On nodes that each host fewer workers,
+    Ray would spread a plan's node over several and the plan would cross those links unpriced."""
+    whole = sum(1 for h in hosts if h >= hw.workers_per_node)
+    if whole >= hw.nodes:
+        return
+    most = max(hosts, default=0)
+    raise UserError(
+        "hardware.workers_per_node",
+        hw.workers_per_node,
+        f"the plan puts {hw.workers_per_node} workers on each of {hw.nodes} node(s), but {whole} of the cluster's "
+        f"nodes can host that many (workers each node can host: {sorted(hosts, reverse=True)})",
+        f"set hardware.workers_per_node to the workers a node hosts ({most}) and hardware.nodes to match, or add "
+        f"nodes that host {hw.workers_per_node}",
+    )

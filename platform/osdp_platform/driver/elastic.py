@@ -25,7 +25,7 @@ from ray.autoscaler.sdk import request_resources
 from osdp_planners import PlanResult
 from osdp_planners.errors import UserError
 from osdp_planners.replan import replan
-from osdp_platform.driver.cluster import pool_request
+from osdp_platform.driver.cluster import hosted, worker_resources
 from osdp_platform.driver.faults import one_line, root_cause
 from osdp_platform.planning.local import plan_request
 from osdp_platform.recipe.inputs import HardwareSection
@@ -37,17 +37,11 @@ SETTLE_S = 6.0  # after a failure: the count must hold this long (the cluster no
 REQUEST_EVERY_S = 1.0  # an autoscaling pool's standing request for max_nodes is sent this often (see below)
 
 
-def worker_resources(hw: HardwareSection) -> dict[str, float]:
-    """What one worker takes (as submit's ScalingConfig asks for it)."""
-    return {"CPU": 1.0, **({"GPU": 1.0} if hw.accelerator == "gpu" else {}), **pool_request(hw)}
-
-
 def nodes_there(node_resources: list[Mapping[str, float]], hw: HardwareSection) -> int:
-    """Pool nodes the cluster's nodes can host: workers they fit in all, in whole nodes of workers_per_node,
-    at most max_nodes. Counted on the nodes' totals, so the group's own workers count as there."""
-    need = worker_resources(hw)
-    workers = sum(min(int(res.get(k, 0.0) // v) for k, v in need.items()) for res in node_resources)
-    return min(workers // hw.workers_per_node, hw.node_counts[-1])
+    """Pool nodes the cluster's nodes can host: each node's workers in whole plan nodes of workers_per_node
+    (a plan node never spans machines: see cluster.check_nodes_host_the_plan), at most max_nodes. Counted on
+    the nodes' totals, so the group's own workers count as there."""
+    return min(sum(h // hw.workers_per_node for h in hosted(node_resources, hw)), hw.node_counts[-1])
 
 
 def count_nodes(hw: HardwareSection) -> int:

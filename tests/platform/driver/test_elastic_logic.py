@@ -12,6 +12,7 @@ from helpers import RECIPES
 from osdp_planners import make_plan
 from osdp_planners.errors import NoPlanFits, UserError, UserErrors
 from osdp_planners.replan import replan
+from osdp_platform.driver.cluster import check_nodes_host_the_plan
 from osdp_platform.driver.elastic import nodes_there, should_grow, wait_for_nodes
 from osdp_platform.planning.local import plan_recipe, plan_request
 from osdp_platform.recipe.loader import load_recipe
@@ -73,7 +74,9 @@ def test_the_pool_is_counted_in_whole_nodes_of_workers_that_fit() -> None:
         {"CPU": 0.0, "ELASTIC": 4.0},  # the head: no CPU, none
     ]
     assert nodes_there(nodes, hw) == 3
-    assert nodes_there(nodes, hw.model_copy(update={"workers_per_node": 2})) == 1  # 3 workers: one node of 2
+    pairs = hw.model_copy(update={"workers_per_node": 2})
+    assert nodes_there(nodes, pairs) == 1  # one machine hosts two
+    assert nodes_there([nodes[1], nodes[1]], pairs) == 0  # two machines of one worker are no node of two
     assert nodes_there(nodes * 3, hw) == 4  # never above max_nodes
     assert should_grow(1, 2) and not should_grow(2, 2) and not should_grow(2, 1)
 
@@ -131,3 +134,24 @@ def test_a_step_feeds_the_same_samples_whatever_the_world_size() -> None:
         assert torch.equal(torch.cat(two), torch.cat(one))
         assert torch.equal(torch.cat(one), sampler.global_batch(step, 16)[0])
     assert not torch.equal(sampler.global_batch(0, 16)[0], sampler.global_batch(1, 16)[0])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "hosts", "refused"),
+    [
+        (["hardware.workers_per_node=2"], [4], False),  # one machine hosts the plan's node
+        (["hardware.workers_per_node=2", "hardware.nodes=2"], [2, 2, 1], False),
+        (["hardware.workers_per_node=4", "hardware.nodes=2"], [8, 4], False),  # a larger machine: Ray packs it
+        (["hardware.workers_per_node=4"], [2, 2], True),  # one plan node over two machines
+        (["hardware.workers_per_node=2", "hardware.nodes=2"], [2, 1, 1], True),
+    ],
+)
+def test_a_plan_node_must_fit_on_one_machine(overrides: list[str], hosts: list[int], refused: bool) -> None:
+    hw = load_recipe(RECIPES / "tiny.yaml", overrides).hardware
+    if not refused:
+        check_nodes_host_the_plan(hosts, hw)
+        return
+    with pytest.raises(UserError) as caught:
+        check_nodes_host_the_plan(hosts, hw)
+    assert caught.value.field == "hardware.workers_per_node" and caught.value.value == hw.workers_per_node
+    assert str(sorted(hosts, reverse=True)) in caught.value.problem and f"({max(hosts)})" in caught.value.fix
