@@ -26,6 +26,11 @@ def worker_resources(hw: HardwareSection) -> dict[str, float]:
     return {"CPU": 1.0, **({"GPU": 1.0} if hw.accelerator == "gpu" else {}), **pool_request(hw)}
 
 
+def node_totals() -> list[Mapping[str, float]]:
+    """Each live node's total resources (what it hosts, the running group's own workers included)."""
+    return [n["Resources"] for n in ray.nodes() if n["Alive"]]
+
+
 def hosted(node_resources: list[Mapping[str, float]], hw: HardwareSection) -> list[int]:
     """How many workers each node can host, from its total resources."""
     need = worker_resources(hw)
@@ -93,7 +98,7 @@ def check_cluster(recipe: Recipe) -> None:
             "lower hardware.nodes / hardware.workers_per_node, add nodes, or set hardware.autoscaling=true on "
             "an autoscaling cluster",
         )
-    check_nodes_host_the_plan(hosted([n["Resources"] for n in ray.nodes() if n["Alive"]], hw), hw)
+    check_nodes_host_the_plan(hosted(node_totals(), hw), hw)
 
 
 def check_nodes_host_the_plan(hosts: list[int], hw: HardwareSection) -> None:

@@ -25,7 +25,7 @@ from ray.autoscaler.sdk import request_resources
 from osdp_planners import PlanResult
 from osdp_planners.errors import UserError
 from osdp_planners.replan import replan
-from osdp_platform.driver.cluster import hosted, worker_resources
+from osdp_platform.driver.cluster import hosted, node_totals, worker_resources
 from osdp_platform.driver.faults import one_line, root_cause
 from osdp_platform.planning.local import plan_request
 from osdp_platform.recipe.inputs import HardwareSection
@@ -45,7 +45,7 @@ def nodes_there(node_resources: list[Mapping[str, float]], hw: HardwareSection) 
 
 
 def count_nodes(hw: HardwareSection) -> int:
-    return nodes_there([n["Resources"] for n in ray.nodes() if n["Alive"]], hw)
+    return nodes_there(node_totals(), hw)
 
 
 @contextmanager
