@@ -34,7 +34,7 @@ from osdp_planners.profile import (
 from osdp_planners.recorder import Recorder
 from osdp_planners.split import SplitLinear, linear_at, split_linear_in
 from osdp_planners.torch_private import FakeTensorMode, checkpoint
-from osdp_planners.trace import ROOT, CallTrace, bf16_only, trace_calls
+from osdp_planners.trace import ROOT, CallTrace, bf16_only, fp32_refused, trace_calls
 from osdp_planners.units import Unit, units_of
 
 KEEP_BLOCKS = 2
@@ -223,12 +223,7 @@ def _variant_runs(
         except UserError as exc:
             if not bf16_only(full, seq_len, vocab):
                 raise
-            raise UserError(
-                "train.precision",
-                "fp32",
-                f"the model traces only with bf16 parameters; in fp32 {exc.field} {exc.value!r}: {exc.problem}",
-                "use train.precision=bf16-mixed (bf16 compute over fp32 master weights)",
-            ) from exc
+            raise fp32_refused(exc) from exc
     units = units_of(full, trace)
     unit_of = {m: u.name for u in units for m in u.modules if m}
 

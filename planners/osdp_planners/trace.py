@@ -208,6 +208,28 @@ def bf16_only(model: nn.Module, seq_len: int, vocab_size: int | None = None) -> 
     return _in_bf16(model, seq_len, vocab_size) is not None
 
 
+def fp32_refused(exc: UserError) -> UserError:
+    """The refusal of fp32 training for a model whose fp32 trace failed with `exc` and that traces in bf16."""
+    return UserError(
+        "train.precision",
+        "fp32",
+        f"the model traces only with bf16 parameters; in fp32 {exc.field} {exc.value!r}: {exc.problem}",
+        "use train.precision=bf16-mixed (bf16 compute over fp32 master weights)",
+    )
+
+
+def check_forward(model: nn.Module, seq_len: int, precision: str) -> None:
+    """The user's forward traced as training under `precision` will run it, so that a model the planner
+    cannot trace is refused before Ray starts (it would fail in the planner actor, 10-60 s later)."""
+    try:
+        trace_calls(model, seq_len)
+    except UserError as exc:
+        if not bf16_only(model, seq_len):
+            raise
+        if precision == "fp32":
+            raise fp32_refused(exc) from exc
+
+
 def trace_structure(model: nn.Module, seq_len: int, vocab_size: int | None = None) -> CallTrace:
     """The trace that unit discovery needs: which modules run and what reads each parameter does not
     depend on the dtype, so a forward that traces only with bf16 parameters is traced with them."""

@@ -313,23 +313,33 @@ def test_plan_refuses_an_unplannable_model_with_one_message(
     assert "Traceback" not in err
 
 
+def test_validate_refuses_a_model_whose_forward_fails_before_ray_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    """`validate` starts nothing, so the refusal comes from the driver's own trace of the forward."""
+    code = main(["validate", *_plan_cli("ValueBranch", Path())[1:]])
+    err = capsys.readouterr().err
+    assert code == EXIT_USER_ERROR, err
+    assert "model = 'blocks.1'" in err and "ValueGate: forward raised" in err and "fix:" in err
+
+
 def test_submit_refuses_an_unplannable_model_from_the_planner_actor(
     ray_cluster: None, workdir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """The logits' width is checked against the data's vocabulary by the planner on its sample worker: the
+    refusal crosses Ray as the same one message."""
     code = main(
         [
             "submit",
             str(RECIPES / "tiny.yaml"),
             "model.family=null",
             "model.size=null",
-            "model.target=structures:ValueBranch",
+            "model.target=structures:SmallVocab",
             f"data.seq_len={SEQ_LEN}",
             f"tracking.uri=sqlite:///{workdir}/m.db",
         ]
     )
     err = capsys.readouterr().err
     assert code == EXIT_USER_ERROR, err
-    assert "model = 'blocks.1'" in err and "ValueGate: forward raised" in err and "fix:" in err
+    assert "model = '<root>'" in err and "the logits cover 100 tokens, the data has 256" in err and "fix:" in err
     assert "Traceback" not in err and "RayTaskError" not in err
     assert not (workdir / "m.db").exists()
 

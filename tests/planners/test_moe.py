@@ -17,6 +17,7 @@ from osdp_planners.mfu import model_shape
 from osdp_planners.profiler import profile_model
 from osdp_planners.units import find_units
 from osdp_platform.planning.local import plan_request
+from osdp_platform.recipe.preflight import Where, preflight
 from osdp_platform.recipe.schema import ModelSection, Recipe
 from osdp_platform.runtime.models import build_model
 
@@ -68,6 +69,14 @@ def test_an_fp32_profile_of_a_model_that_traces_only_in_bf16_is_refused_naming_t
         make_plan_for(partial(build_model, SECTION), request, None)
     assert caught.value.field == "train.precision" and caught.value.value == "fp32"
     assert "MixtralExperts" in caught.value.problem and "bf16-mixed" in caught.value.fix
+
+
+def test_preflight_refuses_an_fp32_recipe_of_a_model_that_traces_only_in_bf16() -> None:
+    """Found in the driver, before Ray starts, with the planner's message; bf16-mixed passes."""
+    with pytest.raises(UserError) as caught:
+        preflight(_recipe("fp32"), Where.NOWHERE)
+    assert caught.value.field == "train.precision" and "MixtralExperts" in caught.value.problem
+    preflight(_recipe("bf16-mixed"), Where.NOWHERE)
 
 
 def test_the_expert_matmuls_count_in_a_units_forward_flops() -> None:

@@ -1,4 +1,4 @@
-"""Pre-flight: the mistakes in a recipe and its files, found in the driver before Ray starts.
+"""Pre-flight: the mistakes in a recipe, its files and its model's forward, found in the driver before Ray starts.
 
 `validate`, `plan`, `submit` and `sweep` run it on every recipe they load. Found later, the same
 mistake costs a Ray start, a planner actor and workers (10-60 s), leaves a FAILED MLflow run and a
@@ -17,6 +17,7 @@ from pathlib import Path
 from torch import nn
 
 from osdp_planners.errors import UserError
+from osdp_planners.trace import check_forward
 from osdp_platform.recipe.schema import HardwareSection, ModelSection, Recipe
 from osdp_platform.runtime.data import CORPUS_PATH, TokenFiles, check_text, load_tokens
 from osdp_platform.runtime.models import build_model
@@ -37,6 +38,7 @@ def preflight(recipe: Recipe, where: Where) -> None:
     """Every check that needs neither Ray nor a worker."""
     check_data(recipe)
     model = meta_model(recipe.model)
+    check_forward(model, recipe.data.seq_len, recipe.train.precision)
     check_plan_file(recipe, model)
     if where is not Where.CLUSTER:
         check_checkpoint_dir(recipe)
