@@ -252,3 +252,16 @@ def test_an_unreachable_server_is_a_user_error(capsys: pytest.CaptureFixture[str
     assert main(["compare", "--uri", dead, "--experiment", "x"]) == EXIT_USER_ERROR
     err = capsys.readouterr().err
     assert f"tracking.uri = '{dead}'" in err and "does not answer" in err and "Traceback" not in err
+
+
+def test_a_folder_store_is_refused_before_anything_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """MLflow 3 refuses a file store unless MLFLOW_ALLOW_FILE_STORE is set: submit says so before Ray starts."""
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    store = tmp_path / "mlruns"
+    code = main(["submit", str(RECIPES / "tiny.yaml"), f"tracking.uri=file://{store}"])
+    err = capsys.readouterr().err
+    assert code == EXIT_USER_ERROR, err
+    assert f"tracking.uri = 'file://{store}'" in err and "MLFLOW_ALLOW_FILE_STORE=true" in err and "sqlite" in err
+    assert not store.exists()

@@ -147,8 +147,8 @@ class TrackingSection(Section):
     uri: str | None = Field(
         default=None,
         description=(
-            "MLflow tracking store: a server (http://...) or a local store; default $MLFLOW_TRACKING_URI, else "
-            "sqlite:///mlflow.db"
+            "MLflow tracking store: a server (http://...) or a database (sqlite:///...); default "
+            "$MLFLOW_TRACKING_URI, else sqlite:///mlflow.db"
         ),
     )
     experiment: str = Field(default="osdp-platform", description="MLflow experiment the runs are recorded in")

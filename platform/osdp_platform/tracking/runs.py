@@ -14,10 +14,12 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlparse
 
 import requests
 from mlflow.entities import Metric as MlflowMetric
 from mlflow.entities import Param, RunTag
+from mlflow.environment_variables import MLFLOW_ALLOW_FILE_STORE
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from mlflow.tracking.context.registry import resolve_tags
@@ -63,7 +65,16 @@ def _answers(uri: str) -> bool:
 
 
 def check_reachable(uri: str) -> None:
-    """Refuse before anything starts when the tracking server does not answer; later, writes wait instead."""
+    """Refuse before anything starts a store MLflow would refuse or a server that does not answer; later,
+    writes wait instead."""
+    if urlparse(uri).scheme in ("", "file") and not MLFLOW_ALLOW_FILE_STORE.get():
+        raise UserError(
+            "tracking.uri",
+            uri,
+            "MLflow opens a folder store (file:// or a path) only with MLFLOW_ALLOW_FILE_STORE=true",
+            "use a database such as sqlite:///mlflow.db (`mlflow migrate-filestore` moves an existing folder's runs), "
+            "or set MLFLOW_ALLOW_FILE_STORE=true",
+        )
     if uri.startswith(("http://", "https://")):
         # MLflow's default retries a dead server for minutes per request; waiting writes make that needless
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
