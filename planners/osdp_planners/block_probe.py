@@ -4,7 +4,7 @@ The model's forward runs once on meta tensors with a hook before every unit modu
 the arguments it is called with (shapes and dtypes only). Each distinct module (same class,
 parameter shapes and argument shapes: the blocks of a decoder are one) is then built alone on the
 device, in the compute dtype, fed random arguments of those shapes, and timed forward and backward
-at both timing batches; every unit is charged its modules' times, and the loss on the logits is timed
+at both timing batches, plain and checkpointed (what recomputation adds); every unit is charged its modules' times, and the loss on the logits is timed
 on its own and charged to the last unit. The optimizer's rate per parameter comes from the largest
 distinct module; on a GPU what FSDP2 adds (fsdp_probe), from a chain of copies of one layer (one
 unit of each kind that repeats). Nothing larger than a few layers is ever on the device.
@@ -36,7 +36,7 @@ from osdp_planners.fsdp_probe import Added, Call, Chain, added_costs, charge, fi
 from osdp_planners.loss import lm_loss, logits_of
 from osdp_planners.profile import Linear1
 from osdp_planners.runtime import compile_units, compute_dtype, make_optimizer
-from osdp_planners.torch_private import tree_leaves, tree_map
+from osdp_planners.torch_private import checkpoint, tree_leaves, tree_map
 from osdp_planners.trace import fake_state
 from osdp_planners.units import ROOT, Unit, find_units
 
@@ -185,8 +185,8 @@ def measure_blocks(
     dtype = compute_dtype(precision)
     units = [u for u in find_units(meta, seq_len) if u.name != ROOT]
     paths = [p for u in units for p in u.modules]
-    timed: dict[tuple[object, ...], tuple[float, float]] = {}
-    per_batch: dict[int, dict[str, tuple[float, float]]] = {}
+    timed: dict[tuple[object, ...], tuple[float, float, float]] = {}
+    per_batch: dict[int, dict[str, tuple[float, float, float]]] = {}
     modules = {p: meta.get_submodule(p) for p in paths}
     sizes = {p: sum(q.numel() for q in m.parameters()) for p, m in modules.items()}
     largest = max(paths, key=sizes.__getitem__)
@@ -202,13 +202,16 @@ def measure_blocks(
                 real = _materialise(module, device, dtype)
                 if compile:
                     compile_units(real, [""])
-                timed[key] = _time_module(real, _inputs(calls[path], device, dtype, vocab_size), device)
+                inputs = _inputs(calls[path], device, dtype, vocab_size)
+                plain = _time_module(real, inputs, device)
+                checkpoint(real)  # then what recomputation adds, as the runtime checkpoints the module
+                timed[key] = (*plain, sum(_time_module(real, inputs, device)) - sum(plain))
                 del real
             seconds[path] = timed[key]
         probe_calls[batch] = [calls[p] for p in _called(layer)]
         logits = torch.randn(batch, seq_len, width, device=device, dtype=dtype, requires_grad=True)
         targets = torch.randint(0, vocab_size, (batch, seq_len), device=device)
-        seconds["<loss>"] = _time_loss(logits, targets, device)
+        seconds["<loss>"] = (*_time_loss(logits, targets, device), 0.0)  # the loss is never checkpointed
         per_batch[batch] = seconds
     b1, b2 = TIMING_BATCHES
 
@@ -220,7 +223,8 @@ def measure_blocks(
     charged = {u.name: [*u.modules, *(["<loss>"] if u is units[-1] else [])] for u in units}
     forward = {name: line(ps, 0) for name, ps in charged.items()} | {ROOT: Linear1(0.0, 0.0)}
     backward = {name: line(ps, 1) for name, ps in charged.items()} | {ROOT: Linear1(0.0, 0.0)}
-    times = MeasuredTimes(forward, backward, _optimizer_rate(modules[largest], device, optimizer))
+    recompute = {u.name: line(list(u.modules), 2) for u in units}
+    times = MeasuredTimes(forward, backward, _optimizer_rate(modules[largest], device, optimizer), recompute=recompute)
     if device.type != "cuda" or world == 1:  # a world of one runs no FSDP2
         return times
     return charge(times, _fsdp_added(meta, layer, probe_calls, device, precision, world, optimizer))

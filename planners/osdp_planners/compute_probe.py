@@ -23,6 +23,7 @@ from torch import nn
 from osdp_planners.loss import lm_loss, logits_of
 from osdp_planners.profile import Linear1
 from osdp_planners.runtime import compile_units, compute_dtype, make_optimizer
+from osdp_planners.torch_private import checkpoint, set_recomputing
 from osdp_planners.units import ROOT, find_units
 
 TIMING_BATCHES = (1, 4)
@@ -43,6 +44,8 @@ class MeasuredTimes:
     # GPU: strategy -> seconds each DTensor adds to the optimizer step (fsdp_probe; on CPU pools, comm_probe)
     optimizer_tensor_cost_s: dict[str, float] = field(default_factory=dict)
     cpu_wait_share: float | None = None  # of the probe's time its (busiest) thread waited for a CPU (cpu_wait)
+    # unit -> seconds activation checkpointing adds to it (the recomputed forward and the hooks around it)
+    recompute: dict[str, Linear1] = field(default_factory=dict)
 
     def fsdp_at(self, strategy: str, batch: int) -> tuple[float, float]:
         """FSDP2's seconds per parameter byte and per further unit at a micro batch: measured at both
@@ -69,6 +72,7 @@ class MeasuredTimes:
             {s: Linear1(**line) for s, line in d["fsdp_s_per_unit"].items()},
             d["optimizer_tensor_cost_s"],
             d.get("cpu_wait_share"),
+            {u: Linear1(**line) for u, line in d["recompute"].items()},
         )
 
 
@@ -149,28 +153,42 @@ def measure_totals(
     optimizer: str = "adamw",
     compile: bool = False,
 ) -> dict[str, Any]:
-    """Whole-model medians: forward and backward seconds per timing batch, optimizer seconds per parameter,
-    in the training `precision`, with the runtime's `optimizer` and, under `compile`, compiled units
-    (the warm-up round pays the compilation).
+    """Whole-model medians: forward and backward seconds per timing batch, what checkpointing every unit
+    adds to them, optimizer seconds per parameter, in the training `precision`, with the runtime's
+    `optimizer` and, under `compile`, compiled units (the warm-up round pays the compilation).
 
-    The batches take turns, so a slow spell of a shared machine does not bend the fitted slope.
-    `barrier` lines concurrent processes up before each pass, as a training step's collectives do,
-    and `slowest` turns each rank's time into the slowest rank's (the step's).
+    Recomputation costs more than the forward it repeats where per-op host work counts (CPU: 1.5-2x
+    on the tiny Llama), so it is timed: each pass is run again with every unit checkpointed as the
+    runtime applies it, and the median of the paired differences is the cost. The batches and the two
+    passes take turns, so a slow spell of a shared machine bends neither the fitted slope nor the
+    difference. `barrier` lines concurrent processes up before each pass, as a training step's
+    collectives do, and `slowest` turns each rank's time into the slowest rank's (the step's).
     """
     compute = compute_copy(model, precision)
+    units = [p for u in find_units(compute, seq_len) if u.name != ROOT for p in u.modules]
     if compile:
-        compile_units(compute, [p for u in find_units(compute, seq_len) if u.name != ROOT for p in u.modules])
+        compile_units(compute, units)
+    checkpointed = [compute.get_submodule(p) for p in units]
+    for module in checkpointed:
+        checkpoint(module)
     inputs = {b: torch.randint(0, vocab_size, (b, seq_len), device=device) for b in TIMING_BATCHES}
     runs: dict[int, list[list[float]]] = {b: [] for b in TIMING_BATCHES}
+    added: dict[int, list[float]] = {b: [] for b in TIMING_BATCHES}
     for i in range(REPEATS + 1):
         for batch, x in inputs.items():
-            barrier()
-            timed = slowest(list(_time_pass(compute, x, device)))
+            passes = []
+            for recompute in (False, True):
+                set_recomputing(checkpointed, recompute)
+                barrier()
+                passes.append(slowest(list(_time_pass(compute, x, device))))
             if i:  # the first round warms up allocator and kernels
-                runs[batch].append(timed)
+                runs[batch].append(passes[0])
+                added[batch].append(sum(passes[1]) - sum(passes[0]))
+    set_recomputing(checkpointed, False)  # in fp32 `compute` is the caller's model, timed plain after this
     totals: dict[str, Any] = {
         "forward": {str(b): statistics.median(r[0] for r in rs) for b, rs in runs.items()},
         "backward": {str(b): statistics.median(r[1] for r in rs) for b, rs in runs.items()},
+        "recompute": {str(b): statistics.median(a) for b, a in added.items()},
     }
     del compute
     opt = make_optimizer(model.parameters(), optimizer, device.type)
@@ -193,11 +211,14 @@ def share_by_flops(totals: dict[str, Any], flops: dict[str, float]) -> MeasuredT
         line = Linear1.fit(totals[kind][str(b1)], totals[kind][str(b2)], b1, b2)
         return Linear1(max(line.a, 0.0), max(line.b, 0.0))
 
-    fwd, bwd = fit("forward"), fit("backward")
+    fwd, bwd, rec = fit("forward"), fit("backward"), fit("recompute")
+    checkpointable = {u: f for u, f in flops.items() if u != ROOT}  # the root is never checkpointed
+    share = sum(checkpointable.values()) or 1.0
     return MeasuredTimes(
         {u: Linear1(fwd.a * f / whole, fwd.b * f / whole) for u, f in flops.items()},
         {u: Linear1(bwd.a * f / whole, bwd.b * f / whole) for u, f in flops.items()},
         totals["optimizer_s_per_param"],
+        recompute={u: Linear1(rec.a * f / share, rec.b * f / share) for u, f in checkpointable.items()},
     )
 
 

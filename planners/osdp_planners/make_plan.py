@@ -97,7 +97,7 @@ def _profile(build: Builder, req: PlanRequest, structure: str, dtype: torch.dtyp
     return _profiles[key]
 
 
-DEVICE_CACHE_VERSION = 7  # of a cached device measurement (7: the block probe's loss over the model's logits)
+DEVICE_CACHE_VERSION = 8  # of a cached device measurement (7: block probe's loss over the logits; 8: recomputation)
 
 
 def _whole_model_fits(build: Builder, device: torch.device) -> bool:

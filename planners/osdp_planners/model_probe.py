@@ -39,7 +39,7 @@ from osdp_planners.profile import ModelProfile
 from osdp_planners.time_model import Topology, comm_seconds
 from osdp_planners.units import ROOT, find_units
 
-VERSION = 2  # of the cached measurement's format (2: timed in the training precision)
+VERSION = 3  # of the cached measurement's format (2: timed in the training precision; 3: recomputation)
 SCALE_RANGE = (0.5, 4.0)  # a calibration outside this is noise, not the model
 
 

@@ -72,6 +72,13 @@ def compute_seconds(
     return fwd, BACKWARD_FLOPS_RATIO * fwd
 
 
+def recompute_seconds(unit: str, batch: int, fwd: float, measured: MeasuredTimes | None) -> float:
+    """What checkpointing adds to a unit: measured where the whole model was timed, else its forward again."""
+    if measured is not None and unit in measured.recompute:
+        return measured.recompute[unit].at(batch)
+    return fwd
+
+
 def fsdp_units(profile: ModelProfile, unit: str, opt: Option) -> list[int]:
     """Parameter tensors of each FSDP2 unit an option makes of `unit`: every slice of its split
     Linears, then the unit itself with what is left."""
@@ -135,7 +142,7 @@ def unit_time(
     overlap: bool,
 ) -> UnitTime:
     fwd, bwd = compute_seconds(profile, unit, batch, topo, measured)
-    compute = fwd + bwd + (fwd if opt.checkpoint else 0.0)
+    compute = fwd + bwd + (recompute_seconds(unit, batch, fwd, measured) if opt.checkpoint else 0.0)
     if measured is not None and topo.world_size > 1:  # FSDP2's copies, casts and hooks (a world of one has none)
         per_byte, per_unit = measured.fsdp_at(measured_kind(opt), batch)
         further = sum(1 for n in fsdp_units(profile, unit, opt) if n) - 1  # a split's slices are units too

@@ -4,6 +4,8 @@ Pinned behaviour is checked by the tests (fake-rank memory, the profiler, plan v
 upgrade that moves one of these breaks here first.
 """
 
+from collections.abc import Iterable
+
 # Fake tensors: shapes and dtypes without memory, so any model size profiles on a laptop. No public API.
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import (
@@ -22,6 +24,7 @@ from torch.distributed._composable.contract import _get_registry as composable_r
 # memory tests use them); no public equivalent.
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed._tools.mod_tracker import ModTracker
+from torch.nn import Module
 
 # Intercepting every op (live bytes, FLOPs, which modules read a parameter) and flattening outputs.
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -40,6 +43,7 @@ __all__ = [
     "detect_fake_mode",
     "register_fake_backend",
     "reshards_after_forward",
+    "set_recomputing",
     "tree_leaves",
     "tree_map",
 ]
@@ -56,3 +60,10 @@ def register_fake_backend() -> None:
     """Make the "fake" process-group backend (collectives that move nothing) available: it registers
     itself when its test-support module is imported, and has no public switch."""
     import torch.testing._internal.distributed.fake_pg  # noqa: F401
+
+
+def set_recomputing(modules: Iterable[Module], on: bool) -> None:
+    """Switch `checkpoint` on or off on modules it was applied to: the compute probe times one model
+    with and without recomputation, turn by turn. The hooks stay; this flag of their state decides."""
+    for module in modules:
+        checkpoint.state(module).enable_hook = on

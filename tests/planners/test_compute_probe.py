@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from helpers import REPO, ZooModel, context, plan_zoo, zoo_request
-from osdp_planners import block_probe, make_plan
+from osdp_planners import block_probe, compute_probe, make_plan
 from osdp_planners.block_probe import _capture, _inputs, _materialise, measure_blocks
-from osdp_planners.compute_probe import TIMING_BATCHES, MeasuredTimes, compute_copy, measure_totals
+from osdp_planners.compute_probe import TIMING_BATCHES, MeasuredTimes, compute_copy, measure_totals, share_by_flops
 from osdp_planners.hardware import PRESETS, get_preset
 from osdp_planners.mfu import mfu, model_shape
 from osdp_planners.options import Option
@@ -48,6 +48,52 @@ def test_the_probe_computes_in_the_training_precision(precision: str, dtype: tor
     assert seen and set(seen) == {dtype}
     assert all(p.dtype == torch.float32 for p in model.parameters()), "master weights stay fp32"
     assert totals["optimizer_s_per_param"] > 0
+
+
+class _Counted(nn.Module):
+    """A block whose forward counts its runs: a checkpointed pass runs it again in backward."""
+
+    def __init__(self, runs: list[int]) -> None:
+        super().__init__()
+        self.runs, self.mlp = runs, nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.runs.append(1)
+        return torch.relu(self.mlp(x))
+
+
+class _Blocks(_Lm):
+    def __init__(self, runs: list[int]) -> None:
+        super().__init__()
+        self.block = _Counted(runs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.block(self.embed(x)))
+
+
+def test_the_probe_times_every_pass_again_with_recomputation_and_leaves_the_model_without_it() -> None:
+    """Each round times each batch plain and with every unit checkpointed (the block then runs twice); the
+    fp32 model the probe computed with is the caller's, and trains plain after it."""
+    runs: list[int] = []
+    model = _Blocks(runs)
+    totals = measure_totals(model, 4, 8, torch.device("cpu"))
+    passes = (compute_probe.REPEATS + 1) * len(TIMING_BATCHES)
+    assert len(runs) == passes * (1 + 2) + 1  # and once in the trace that finds the units
+    assert set(totals["recompute"]) == {str(b) for b in TIMING_BATCHES}
+    runs.clear()
+    model(torch.zeros(2, 4, dtype=torch.long)).sum().backward()
+    assert len(runs) == 1
+
+
+def test_recomputation_is_shared_among_the_units_that_can_be_checkpointed() -> None:
+    totals = {
+        kind: {str(b): b * ms * 1e-3 for b in TIMING_BATCHES}
+        for kind, ms in (("forward", 1.0), ("backward", 2.0), ("recompute", 3.0))
+    } | {"optimizer_s_per_param": 1e-9}
+    times = share_by_flops(totals, {"a": 1.0, "b": 3.0, ROOT: 4.0})
+    assert set(times.recompute) == {"a", "b"}, "the root is never checkpointed"
+    assert times.recompute["a"].at(4) == pytest.approx(3e-3) and times.recompute["b"].at(4) == pytest.approx(9e-3)
+    assert sum(line.at(4) for line in times.forward.values()) == pytest.approx(4e-3)
 
 
 def test_mixed_precision_master_weights_get_fp32_gradients_for_the_optimizer() -> None:
@@ -190,15 +236,16 @@ def test_block_by_block_timing_adds_up_to_the_whole_model(source: str, precision
 
 
 def _block_over_whole(build: Callable[[str], nn.Module], seq: int, vocab: int, precision: str) -> list[float]:
-    """Per-block over whole-model forward+backward at batch 4, in pairs measured back to back, until a
+    """Per-block over whole-model forward+backward+recomputation at batch 4, in pairs measured back to back, until a
     pair agrees within 10% or five pairs ran: a shared machine has slow spells that hit one side of a pair."""
     ratios = []
     for _ in range(5):
         whole = measure_totals(build("cpu"), seq, vocab, torch.device("cpu"), precision=precision)
         blocks = measure_blocks(build, seq, vocab, torch.device("cpu"), precision)
-        per_block = sum(line.at(4) for times in (blocks.forward, blocks.backward) for line in times.values())
-        ratios.append(per_block / (whole["forward"]["4"] + whole["backward"]["4"]))
-        assert blocks.optimizer_s_per_param > 0
+        kinds = (blocks.forward, blocks.backward, blocks.recompute)  # a pass with every unit checkpointed
+        per_block = sum(line.at(4) for times in kinds for line in times.values())
+        ratios.append(per_block / sum(whole[kind]["4"] for kind in ("forward", "backward", "recompute")))
+        assert blocks.optimizer_s_per_param > 0 and set(blocks.recompute) == set(blocks.forward) - {ROOT}
         if abs(ratios[-1] - 1) < 0.10:
             break
     return ratios

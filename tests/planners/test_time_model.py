@@ -12,7 +12,8 @@ from osdp_planners.hardware import get_preset
 from osdp_planners.model_probe import ModelOverheads, calibrate, measure_on_ranks
 from osdp_planners.options import Option
 from osdp_planners.plan import Strategy
-from osdp_planners.time_model import Topology, comm_seconds, fsdp_units, optimizer_seconds
+from osdp_planners.profile import Linear1
+from osdp_planners.time_model import Topology, comm_seconds, fsdp_units, optimizer_seconds, unit_time
 
 COMM = CommProfile(
     world_size=4,
@@ -65,6 +66,25 @@ def test_zero3_gathers_its_parameters_twice_where_zero2_gathers_them_once() -> N
         gathered = ctx.profile.param_bytes[unit.name] / 2  # bf16 compute copies of fp32 parameters
         one_gather = link.latency_s + gathered * 3 / 4 / link.bandwidth_bytes_per_s
         assert zero3 - zero2 == pytest.approx(one_gather, rel=1e-9), unit.name
+
+
+def test_checkpointing_costs_the_measured_recomputation_else_the_forward_again() -> None:
+    ctx = context("llama")
+    topo = Topology(4, 4, ctx.topo.device, COMM)
+    names = [u.name for u in ctx.profile.units]
+    line = {u: Linear1(1e-3, 2e-3) for u in names}  # a + b x batch: 3 ms of forward at batch 1, 9 at batch 4
+    recompute = {u: Linear1(4e-3, 1e-3) for u in names}
+    measured = MeasuredTimes(line, line, 1e-9, recompute=recompute)
+    forward_only = MeasuredTimes(line, line, 1e-9)
+    for unit in names:
+        for batch in (1, 4):
+
+            def compute(times: MeasuredTimes, checkpoint: bool, unit: str = unit, batch: int = batch) -> float:
+                opt = Option(Strategy.ZERO3, 4, checkpoint=checkpoint)
+                return unit_time(ctx.profile, unit, opt, batch, topo, times, 4, False).compute_s
+
+            assert compute(measured, True) - compute(measured, False) == pytest.approx(4e-3 + 1e-3 * batch)
+            assert compute(forward_only, True) - compute(forward_only, False) == pytest.approx(1e-3 + 2e-3 * batch)
 
 
 @pytest.mark.parametrize("added_ms", [(20.0, 30.0, 45.0), (30.0, 50.0, 90.0)])
