@@ -4,10 +4,11 @@ The model's forward runs once on meta tensors with a hook before every unit modu
 the arguments it is called with (shapes and dtypes only). Each distinct module (same class,
 parameter shapes and argument shapes: the blocks of a decoder are one) is then built alone on the
 device, in the compute dtype, fed random arguments of those shapes, and timed forward and backward
-at both timing batches, plain and checkpointed (what recomputation adds); every unit is charged its modules' times, and the loss on the logits is timed
-on its own and charged to the last unit. The optimizer's rate per parameter comes from the largest
-distinct module; on a GPU what FSDP2 adds (fsdp_probe), from a chain of copies of one layer (one
-unit of each kind that repeats). Nothing larger than a few layers is ever on the device.
+at both timing batches, plain and checkpointed (what recomputation adds); every unit is charged its
+modules' times, and the loss on the logits is timed on its own and charged to the last unit. The
+optimizer's rate per parameter comes from the largest distinct module; on a GPU what FSDP2 adds
+(fsdp_probe), from a chain of copies of one layer (one unit of each kind that repeats). Nothing
+larger than a few layers is ever on the device.
 """
 
 import copy
