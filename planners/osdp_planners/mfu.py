@@ -2,7 +2,7 @@
 
 MFU = (6 N + 12 L d s) x tokens/s / peak FLOP/s, with N the weights a token is multiplied by: the
 model's Linear layers (transformers' GPT-2 has its own, `Conv1D`) and, in a mixture-of-experts layer,
-the experts a token is routed to; L its layers, d its width and s the sequence length (the PaLM paper's
+its router and the experts a token is routed to; L its layers, d its width and s the sequence length (the PaLM paper's
 count: 6 FLOPs per weight per token for forward and backward, and the attention scores and values).
 Recomputation is not model arithmetic, so checkpointing lowers MFU; the peak is the preset's (hardware.py).
 """
@@ -32,17 +32,22 @@ def _linear_kinds() -> tuple[type[nn.Module], ...]:
     return (nn.Linear,) if conv1d is None else (nn.Linear, conv1d)
 
 
-def _routed_expert_weights(model: nn.Module, top_k: object) -> int:
-    """The expert weights one token meets: `top_k` (the config's num_experts_per_tok) of each bank of
+def _moe_weights(model: nn.Module, top_k: object) -> int:
+    """The mixture-of-experts weights one token meets: all of each router's (E x d, a Linear that is not
+    an nn.Linear: it scores every expert) and `top_k` (the config's num_experts_per_tok) of each bank of
     `num_experts` (transformers' `*Experts` modules hold one 3D parameter per projection, a matrix per expert)."""
     if not isinstance(top_k, int):
         return 0
-    routed = 0
+    weights = 0
     for module in model.modules():
         experts, own = getattr(module, "num_experts", None), list(module.parameters(recurse=False))
-        if isinstance(experts, int) and own and all(p.dim() == 3 and p.shape[0] == experts for p in own):
-            routed += sum(p.numel() for p in own) * top_k // experts
-    return routed
+        if not isinstance(experts, int) or not own:
+            continue
+        if all(p.dim() == 3 and p.shape[0] == experts for p in own):
+            weights += sum(p.numel() for p in own) * top_k // experts
+        elif len(own) == 1 and own[0].dim() == 2 and own[0].shape[0] == experts:
+            weights += own[0].numel()
+    return weights
 
 
 def model_shape(model: nn.Module) -> ModelShape:
@@ -51,7 +56,7 @@ def model_shape(model: nn.Module) -> ModelShape:
     kinds = _linear_kinds()
     config = getattr(model, "config", None)
     linear = sum(m.get_parameter("weight").numel() for m in model.modules() if isinstance(m, kinds))
-    linear += _routed_expert_weights(model, getattr(config, "num_experts_per_tok", None))
+    linear += _moe_weights(model, getattr(config, "num_experts_per_tok", None))
     for layers, width in _SHAPE_NAMES:
         if isinstance(getattr(config, layers, None), int) and isinstance(getattr(config, width, None), int):
             return ModelShape(linear, getattr(config, layers), getattr(config, width))

@@ -88,10 +88,11 @@ def test_the_expert_matmuls_count_in_a_units_forward_flops() -> None:
     assert profile.forward_flops(moe, 1) == 32 * per_token
 
 
-def test_mfu_counts_the_experts_a_token_is_routed_to() -> None:
-    """N: per layer the attention's q, k, v, o Linears (4 heads of 16, 2 of them for k and v) and TOP_K of
-    EXPERTS experts' three HIDDEN x INTERMEDIATE matrices; the untied head."""
+def test_mfu_counts_the_router_and_the_experts_a_token_is_routed_to() -> None:
+    """N: per layer the attention's q, k, v, o Linears (4 heads of 16, 2 of them for k and v), the router
+    (EXPERTS x HIDDEN) and TOP_K of EXPERTS experts' three HIDDEN x INTERMEDIATE matrices; the untied head."""
     attention = HIDDEN * 64 + 2 * HIDDEN * 32 + 64 * HIDDEN
+    router = EXPERTS * HIDDEN
     routed = TOP_K * 3 * HIDDEN * INTERMEDIATE
     shape = model_shape(build_model(SECTION, "meta"))
-    assert shape.linear_params == LAYERS * (attention + routed) + VOCAB * HIDDEN
+    assert shape.linear_params == LAYERS * (attention + router + routed) + VOCAB * HIDDEN
