@@ -6,7 +6,6 @@ from torch import nn
 
 from osdp_planners.choice import Choice
 from osdp_planners.cpu_wait import BUSY_SHARE
-from osdp_planners.disk_cache import cache_dir
 from osdp_planners.evaluate import Context
 from osdp_planners.explanation import Explanation, jsonable
 from osdp_planners.plan import Baseline, Plan, Predicted, UnitPlan
@@ -45,7 +44,7 @@ def _times_from(ctx: Context) -> str:
         if waited > BUSY_SHARE:
             return (
                 f"measured on a busy host: the probe waited {waited:.0%} of its time for a CPU, so its times are "
-                f"slow; to time again, delete the cached measurements in {cache_dir()} and plan on a quiet host"
+                "slow; such a measurement is not kept: plan again on a quiet host"
             )
         return "measured"
     device = ctx.topo.device

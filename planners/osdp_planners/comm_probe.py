@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from osdp_planners.cpu_wait import WaitMeter
+from osdp_planners.cpu_wait import WaitMeter, quiet
 from osdp_planners.disk_cache import cached
 from osdp_planners.local_ranks import busiest_wait, run_ranks, slowest
 from osdp_planners.runtime import make_optimizer, mp_policy
@@ -179,4 +179,4 @@ def cached_comm(world_size: int) -> CommProfile:
     def measure() -> dict[str, Any]:
         return run_ranks("osdp_planners.comm_probe:measure_rank", world_size, [])
 
-    return CommProfile(**cached(f"comm-v{VERSION}", f"w{world_size}", measure))
+    return CommProfile(**cached(f"comm-v{VERSION}", f"w{world_size}", measure, keep=quiet))

@@ -158,37 +158,39 @@ def measure_totals(
     `optimizer` and, under `compile`, compiled units (the warm-up round pays the compilation).
 
     Recomputation costs more than the forward it repeats where per-op host work counts (CPU: 1.5-2x
-    on the tiny Llama), so it is timed: each pass is run again with every unit checkpointed as the
-    runtime applies it, and the median of the paired differences is the cost. The batches and the two
-    passes take turns, so a slow spell of a shared machine bends neither the fitted slope nor the
-    difference. `barrier` lines concurrent processes up before each pass, as a training step's
-    collectives do, and `slowest` turns each rank's time into the slowest rank's (the step's).
+    on the tiny Llama), so it is timed: the passes are run again with every unit checkpointed as the
+    runtime applies it. Plain passes first, then checkpointed ones, each timed as a run repeats one
+    plan's step (the plain passes exactly as before checkpointing was timed). The batches take turns,
+    so a slow spell of a shared machine does not bend the fitted slope. `barrier` lines concurrent
+    processes up before each pass, as a training step's collectives do, and `slowest` turns each
+    rank's time into the slowest rank's (the step's).
     """
     compute = compute_copy(model, precision)
     units = [p for u in find_units(compute, seq_len) if u.name != ROOT for p in u.modules]
     if compile:
         compile_units(compute, units)
+    inputs = {b: torch.randint(0, vocab_size, (b, seq_len), device=device) for b in TIMING_BATCHES}
+
+    def medians(model: nn.Module) -> dict[int, tuple[float, float]]:
+        runs: dict[int, list[list[float]]] = {b: [] for b in TIMING_BATCHES}
+        for i in range(REPEATS + 1):
+            for batch, x in inputs.items():
+                barrier()
+                timed = slowest(list(_time_pass(model, x, device)))
+                if i:  # the first round warms up allocator and kernels
+                    runs[batch].append(timed)
+        return {b: (statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs)) for b, rs in runs.items()}
+
+    plain = medians(compute)
     checkpointed = [compute.get_submodule(p) for p in units]
     for module in checkpointed:
         checkpoint(module)
-    inputs = {b: torch.randint(0, vocab_size, (b, seq_len), device=device) for b in TIMING_BATCHES}
-    runs: dict[int, list[list[float]]] = {b: [] for b in TIMING_BATCHES}
-    added: dict[int, list[float]] = {b: [] for b in TIMING_BATCHES}
-    for i in range(REPEATS + 1):
-        for batch, x in inputs.items():
-            passes = []
-            for recompute in (False, True):
-                set_recomputing(checkpointed, recompute)
-                barrier()
-                passes.append(slowest(list(_time_pass(compute, x, device))))
-            if i:  # the first round warms up allocator and kernels
-                runs[batch].append(passes[0])
-                added[batch].append(sum(passes[1]) - sum(passes[0]))
+    recomputed = medians(compute)
     set_recomputing(checkpointed, False)  # in fp32 `compute` is the caller's model, timed plain after this
     totals: dict[str, Any] = {
-        "forward": {str(b): statistics.median(r[0] for r in rs) for b, rs in runs.items()},
-        "backward": {str(b): statistics.median(r[1] for r in rs) for b, rs in runs.items()},
-        "recompute": {str(b): statistics.median(a) for b, a in added.items()},
+        "forward": {str(b): f for b, (f, _) in plain.items()},
+        "backward": {str(b): bw for b, (_, bw) in plain.items()},
+        "recompute": {str(b): sum(recomputed[b]) - sum(plain[b]) for b in TIMING_BATCHES},
     }
     del compute
     opt = make_optimizer(model.parameters(), optimizer, device.type)

@@ -45,8 +45,11 @@ def cache_file(kind: str, key: str, codec: Codec) -> Path:
     return cache_dir() / f"{kind}-{socket.gethostname()}-torch{torch.__version__}-{key}{codec.suffix}"
 
 
-def cached(kind: str, key: str, make: Callable[[], Any], codec: Codec = JSON) -> Any:
-    """The stored entry of this kind and key, or a new one made and stored."""
+def cached(
+    kind: str, key: str, make: Callable[[], Any], codec: Codec = JSON, keep: Callable[[Any], bool] = lambda _: True
+) -> Any:
+    """The stored entry of this kind and key, or a new one made and stored if `keep` says it may stand for
+    later plans (a measurement taken on a busy host is used once and made again next time)."""
     path = cache_file(kind, key, codec)
     if path.is_file():
         return codec.loads(path.read_bytes())
@@ -57,6 +60,8 @@ def cached(kind: str, key: str, make: Callable[[], Any], codec: Codec = JSON) ->
         if path.is_file():  # made by the process this one waited for
             return codec.loads(path.read_bytes())
         result = make()
+        if not keep(result):
+            return result
         with tempfile.NamedTemporaryFile("wb", dir=path.parent, suffix=".tmp", delete=False) as tmp:
             tmp.write(codec.dumps(result))
         os.replace(tmp.name, path)

@@ -23,7 +23,7 @@ from osdp_planners.block_probe import measure_blocks
 from osdp_planners.choice import Choice
 from osdp_planners.comm_probe import CommProfile, cached_comm
 from osdp_planners.compute_probe import MeasuredTimes, device_memory, measure_times, probe_fits
-from osdp_planners.cpu_wait import WaitMeter
+from osdp_planners.cpu_wait import WaitMeter, quiet
 from osdp_planners.disk_cache import PICKLE, cached
 from osdp_planners.errors import UserError, UserErrors
 from osdp_planners.evaluate import Context, evaluate
@@ -146,7 +146,7 @@ def _time_on_device(
             )
         return dataclasses.replace(times, cpu_wait_share=meter.share()).to_dict()
 
-    return MeasuredTimes.from_dict(cached(f"device-v{DEVICE_CACHE_VERSION}", key, measure))
+    return MeasuredTimes.from_dict(cached(f"device-v{DEVICE_CACHE_VERSION}", key, measure, keep=quiet))
 
 
 def build_context(build: Builder, req: PlanRequest, measure_on: str | None) -> Context:

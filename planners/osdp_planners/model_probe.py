@@ -30,7 +30,7 @@ from osdp_planners.compute_probe import (
     measure_totals,
     share_by_flops,
 )
-from osdp_planners.cpu_wait import WaitMeter
+from osdp_planners.cpu_wait import WaitMeter, quiet
 from osdp_planners.disk_cache import cached
 from osdp_planners.local_ranks import busiest_wait, run_ranks, slowest
 from osdp_planners.options import Option
@@ -115,6 +115,7 @@ def measure_on_ranks(
             f"model-v{VERSION}",
             f"{key}-r{ranks}",
             lambda: run_ranks("osdp_planners.model_probe:measure_rank", ranks, [f.name]),
+            keep=quiet,
         )
     overheads = ModelOverheads(**result["overheads"]) if result["overheads"] else None
     times = dataclasses.replace(share_by_flops(result["totals"], flops), cpu_wait_share=result.get("cpu_wait_share"))

@@ -12,7 +12,7 @@ from osdp_planners.assemble import _times_from
 from osdp_planners.compute_probe import MeasuredTimes
 from osdp_planners.cpu_wait import BUSY_SHARE, SCHEDSTAT
 from osdp_planners.profile import Linear1
-from osdp_platform.tracking.report import comparison
+from osdp_platform.tracking.report import comparison, slow_times
 
 # Pinned to one core beside a process that spins on the same core, a spinning thread gets about half of it.
 CONTENDED = """
@@ -50,8 +50,10 @@ def test_a_plan_timed_on_a_busy_host_says_its_times_are_slow() -> None:
     assert _times_from(quiet) == "measured"
     busy = dataclasses.replace(ctx, measured=dataclasses.replace(times, cpu_wait_share=0.4))
     said = _times_from(busy)
-    assert said.startswith("measured on a busy host") and "40%" in said and "delete the cached" in said
+    assert said.startswith("measured on a busy host") and "40%" in said and "not kept" in said
     result = plan_zoo(ZooModel("llama", 2), zoo_request("llama", 2))
     predicted = result.plan.predicted.model_copy(update={"times_from": said})
     shown = comparison(dataclasses.replace(result, plan=result.plan.model_copy(update={"predicted": predicted})))
     assert f"(times {said})" in shown
+    assert slow_times(result.plan) is None
+    assert slow_times(result.plan.model_copy(update={"predicted": predicted})) == f"the plan's times were {said}"

@@ -1,10 +1,15 @@
-"""The planner's disk cache across processes: an entry is made once per host, whoever asks first."""
+"""The planner's disk cache: an entry is made once per host, whoever asks first, and kept only if quiet."""
 
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from osdp_planners.cpu_wait import BUSY_SHARE, quiet
+from osdp_planners.disk_cache import cached
 
 # A planner in its own process: once imported it says READY and waits for `go`, then asks for one entry
 # whose making takes a while and leaves a line in `made` each time it runs.
@@ -43,3 +48,20 @@ def test_two_planners_asking_at_once_make_the_entry_once(tmp_path: Path) -> None
     results = [json.loads(out.split("RESULT", 1)[1]) for out in outs]
     assert results == [{"value": 42}, {"value": 42}]
     assert made.read_text().splitlines() == ["made"], "both processes measured the same entry"
+
+
+def test_an_entry_not_to_be_kept_is_returned_and_made_again_next_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A probe timed on a busy host (`quiet` says no) serves the plan that asked and is not stored."""
+    monkeypatch.setenv("OSDP_CACHE_DIR", str(tmp_path))
+    made: list[dict[str, float]] = []
+
+    def make(wait: float) -> dict[str, float]:
+        made.append({"cpu_wait_share": wait})
+        return made[-1]
+
+    assert cached("model-v1", "k", lambda: make(BUSY_SHARE + 0.1), keep=quiet) == {"cpu_wait_share": BUSY_SHARE + 0.1}
+    assert cached("model-v1", "k", lambda: make(0.05), keep=quiet) == {"cpu_wait_share": 0.05}
+    assert cached("model-v1", "k", lambda: make(0.0), keep=quiet) == {"cpu_wait_share": 0.05}, "read back"
+    assert len(made) == 2

@@ -28,7 +28,7 @@ from osdp_platform.runtime.models import build_model
 from osdp_platform.runtime.worker import WorkerConfig, train_loop
 from osdp_platform.runtime.worker_env import worker_env
 from osdp_platform.tracking.plan_versions import record_plan_version
-from osdp_platform.tracking.report import log_report
+from osdp_platform.tracking.report import log_report, slow_times
 from osdp_platform.tracking.runs import Metric, RunKind, RunTracker, check_reachable
 
 RANK_PEAK_PREFIX = "peak_memory_bytes/rank"  # the worker's per-rank peaks (worker.StepMetrics)
@@ -257,6 +257,8 @@ def _plan_and_train(
         )
         planned = plan_on_sample_worker(recipe.at_nodes(nodes))
     plan = planned.plan
+    if slow := slow_times(plan):
+        warn_on(console)(slow)
     tracker = RunTracker.start(recipe, RunKind.TRAIN, plan, tags, warn=warn_on(console))
     tracker.log_text(planned.explanation.computed_from, "profile.json")
     summary = RunSummary(tracker.run_id, plan, first_step=point.step if point else 0)

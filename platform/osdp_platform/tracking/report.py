@@ -103,6 +103,12 @@ def comparison(result: PlanResult) -> str:
     return f"{head}; {plan.planner} {ratio:.2f}x the best uniform plan that fits ({name})"
 
 
+def slow_times(plan: Plan) -> str | None:
+    """What a run's user is warned of before training: predictions from a probe that shared its host."""
+    said = plan.predicted.times_from
+    return f"the plan's times were {said}" if said and said.startswith("measured on a busy host") else None
+
+
 def search_summary(plan: Plan) -> str | None:
     """What the search proved (its optimality gap) and, where the near-tie rule chose a simpler plan,
     what that cost against the fastest plan found."""
