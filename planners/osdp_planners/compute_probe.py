@@ -159,11 +159,10 @@ def measure_totals(
 
     Recomputation costs more than the forward it repeats where per-op host work counts (CPU: 1.5-2x
     on the tiny Llama), so it is timed: the passes are run again with every unit checkpointed as the
-    runtime applies it. Plain passes first, then checkpointed ones, each timed as a run repeats one
-    plan's step (the plain passes exactly as before checkpointing was timed). The batches take turns,
-    so a slow spell of a shared machine does not bend the fitted slope. `barrier` lines concurrent
-    processes up before each pass, as a training step's collectives do, and `slowest` turns each
-    rank's time into the slowest rank's (the step's).
+    runtime applies it. Plain passes first, then checkpointed ones: each kind in a row, as a run
+    repeats one plan's step. The batches take turns, so a slow spell of a shared machine does not
+    bend the fitted slope. `barrier` lines concurrent processes up before each pass, as a training
+    step's collectives do, and `slowest` turns each rank's time into the slowest rank's (the step's).
     """
     compute = compute_copy(model, precision)
     units = [p for u in find_units(compute, seq_len) if u.name != ROOT for p in u.modules]
@@ -171,12 +170,12 @@ def measure_totals(
         compile_units(compute, units)
     inputs = {b: torch.randint(0, vocab_size, (b, seq_len), device=device) for b in TIMING_BATCHES}
 
-    def medians(model: nn.Module) -> dict[int, tuple[float, float]]:
+    def medians(live: nn.Module) -> dict[int, tuple[float, float]]:
         runs: dict[int, list[list[float]]] = {b: [] for b in TIMING_BATCHES}
         for i in range(REPEATS + 1):
             for batch, x in inputs.items():
                 barrier()
-                timed = slowest(list(_time_pass(model, x, device)))
+                timed = slowest(list(_time_pass(live, x, device)))
                 if i:  # the first round warms up allocator and kernels
                     runs[batch].append(timed)
         return {b: (statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs)) for b, rs in runs.items()}
