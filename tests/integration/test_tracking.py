@@ -257,11 +257,15 @@ def test_an_unreachable_server_is_a_user_error(capsys: pytest.CaptureFixture[str
 def test_a_folder_store_is_refused_before_anything_starts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """MLflow 3 refuses a file store unless MLFLOW_ALLOW_FILE_STORE is set: submit says so before Ray starts."""
+    """MLflow 3 refuses a file store unless MLFLOW_ALLOW_FILE_STORE is set: validate and submit say so before
+    Ray starts; with the variable set, validate passes it."""
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     store = tmp_path / "mlruns"
-    code = main(["submit", str(RECIPES / "tiny.yaml"), f"tracking.uri=file://{store}"])
-    err = capsys.readouterr().err
-    assert code == EXIT_USER_ERROR, err
-    assert f"tracking.uri = 'file://{store}'" in err and "MLFLOW_ALLOW_FILE_STORE=true" in err and "sqlite" in err
+    for command in ("validate", "submit"):
+        code = main([command, str(RECIPES / "tiny.yaml"), f"tracking.uri=file://{store}"])
+        err = capsys.readouterr().err
+        assert code == EXIT_USER_ERROR, err
+        assert f"tracking.uri = 'file://{store}'" in err and "MLFLOW_ALLOW_FILE_STORE=true" in err and "sqlite" in err
     assert not store.exists()
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    assert main(["validate", str(RECIPES / "tiny.yaml"), f"tracking.uri=file://{store}"]) == 0

@@ -172,6 +172,7 @@ def _validate(args: argparse.Namespace, console: Console) -> int:
     from osdp_platform.recipe.docs import render_markdown
     from osdp_platform.recipe.loader import recipe_to_yaml
     from osdp_platform.recipe.preflight import Where, preflight
+    from osdp_platform.tracking.runs import check_store
 
     if args.recipe is None:
         if not args.explain:
@@ -180,6 +181,7 @@ def _validate(args: argparse.Namespace, console: Console) -> int:
         return 0
     recipe = load_recipe(args.recipe, args.overrides)
     preflight(recipe, Where.NOWHERE)
+    check_store(recipe.tracking.resolved_uri)
     if args.explain:
         console.print(Markdown(render_markdown(recipe.model_dump(mode="json"))))
     else:

@@ -64,9 +64,8 @@ def _answers(uri: str) -> bool:
         return False
 
 
-def check_reachable(uri: str) -> None:
-    """Refuse before anything starts a store MLflow would refuse or a server that does not answer; later,
-    writes wait instead."""
+def check_store(uri: str) -> None:
+    """Refuse a store MLflow itself would refuse when the run opens (`validate` checks this much)."""
     if urlparse(uri).scheme in ("", "file") and not MLFLOW_ALLOW_FILE_STORE.get():
         raise UserError(
             "tracking.uri",
@@ -75,6 +74,12 @@ def check_reachable(uri: str) -> None:
             "use a database such as sqlite:///mlflow.db (`mlflow migrate-filestore` moves an existing folder's runs), "
             "or set MLFLOW_ALLOW_FILE_STORE=true",
         )
+
+
+def check_reachable(uri: str) -> None:
+    """Refuse before anything starts a store MLflow would refuse or a server that does not answer; later,
+    writes wait instead."""
+    check_store(uri)
     if uri.startswith(("http://", "https://")):
         # MLflow's default retries a dead server for minutes per request; waiting writes make that needless
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
