@@ -10,7 +10,14 @@ import ray
 from mlflow.tracking import MlflowClient
 
 from osdp_platform.driver.pump import MetricsPump
-from osdp_platform.runtime.inbox import CheckpointSaved, MetricsInbox, MetricsSender, NodeSample, StepReport
+from osdp_platform.runtime.inbox import (
+    CheckpointSaved,
+    MetricsInbox,
+    MetricsSender,
+    NodeSample,
+    StepReport,
+    WorkersStarted,
+)
 from osdp_platform.tracking.keys import Tag
 from osdp_platform.tracking.runs import RunTracker
 
@@ -57,6 +64,29 @@ def test_every_step_reaches_mlflow_and_the_inbox_keeps_the_newest_checkpoint(ray
     newest = CHECKPOINT_AFTER[-1] + 1
     assert tags[Tag.CHECKPOINT_STEP] == str(newest) and tags[Tag.CHECKPOINT_PATH] == f"/ckpt/{newest}"
     assert ray.get(inbox.latest_checkpoint.remote()) == CheckpointSaved(newest, f"/ckpt/{newest}")
+
+
+def test_workers_that_split_a_plan_node_over_two_machines_are_a_warning_and_a_tag(
+    ray_cluster: None, tmp_path: Path
+) -> None:
+    """Rank 0 reports each rank's machine as the workers start; 8 ranks in plan nodes of 4 on machines that
+    took 6 and 2 split plan node 1, which the driver prints and tags the run with."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    run = client.create_run(client.create_experiment("placement"))
+    warnings: list[str] = []
+    tracker = RunTracker(uri, run.info.run_id, warn=warnings.append)
+    inbox = MetricsInbox.remote()  # type: ignore[attr-defined]
+    done = threading.Event()
+    pump = threading.Thread(target=MetricsPump(inbox, tracker, lambda _s, _m: None).run, args=(done,))
+    pump.start()
+    sender = MetricsSender(inbox)
+    sender.send(WorkersStarted(0, 8, (0,) * 6 + (1,) * 2, 4))
+    sender.close()
+    done.set()
+    pump.join(timeout=60)
+    assert len(warnings) == 1 and warnings[0].startswith("plan node 1 (ranks 4-7) on machines 0, 1"), warnings
+    assert client.get_run(run.info.run_id).data.tags[Tag.SPLIT_PLAN_NODES] == warnings[0]
 
 
 def test_an_empty_inbox_has_no_checkpoint(ray_cluster: None) -> None:

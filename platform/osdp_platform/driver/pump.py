@@ -11,7 +11,8 @@ from typing import Any
 import ray
 
 from osdp_platform.runtime.inbox import CheckpointSaved, NodeSample, WorkersStarted
-from osdp_platform.tracking.keys import system_metric
+from osdp_platform.runtime.placement import split_warning
+from osdp_platform.tracking.keys import Tag, system_metric
 from osdp_platform.tracking.runs import RunTracker
 
 POLL_S = 0.5
@@ -38,6 +39,9 @@ class MetricsPump:
                     pending.clear()
                     self.tracker.record_checkpoint(message.step, message.path)
                 elif isinstance(message, WorkersStarted):
+                    if split := split_warning(list(message.machines), message.workers_per_node):
+                        self.tracker.set_tags({Tag.SPLIT_PLAN_NODES: split})
+                        self.tracker.warn(split)
                     starts += 1
                     if starts > 1:
                         self.tracker.log_samples(pending)

@@ -46,10 +46,13 @@ class CheckpointSaved:
 
 @dataclass(frozen=True)
 class WorkersStarted:
-    """Rank 0 -> driver: the workers (re)started at `step`; after the first, Ray Train restarted them."""
+    """Rank 0 -> driver: the workers (re)started at `step`; after the first, Ray Train restarted them. The
+    machine each rank runs on, for the driver to check the plan's nodes against (runtime/placement.py)."""
 
     step: int
     world_size: int
+    machines: tuple[int, ...] = ()
+    workers_per_node: int = 1
 
 
 Message = StepReport | NodeSample | CheckpointSaved | WorkersStarted

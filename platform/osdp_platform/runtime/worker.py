@@ -25,6 +25,7 @@ from osdp_platform.recipe.schema import Recipe
 from osdp_platform.runtime.checkpoint import restore, save_and_report, should_save
 from osdp_platform.runtime.inbox import CheckpointSaved, MetricsSender, StepReport, WorkersStarted
 from osdp_platform.runtime.memory import measure_step_peak, reserved_peak
+from osdp_platform.runtime.placement import machine_of_each_rank
 from osdp_platform.runtime.state import build_worker_state
 
 MAX_RANKS_LOGGED = 16  # per-rank metrics beyond this would flood the tracking store
@@ -166,9 +167,10 @@ def train_loop(config: dict[str, Any], before_step: Callable[[int], None] | None
     own = saved.path if saved else None
     state = build_worker_state(recipe, plan, device, partial(restore, own=own, resume_from=cfg.resume_from))
     model, optimizer, first = state.model, state.optimizer, state.first_step
+    machines = machine_of_each_rank(ctx.get_node_rank())
     sender = MetricsSender(cfg.inbox) if rank == 0 and cfg.inbox is not None else None
     if sender is not None:
-        sender.send(WorkersStarted(first, world))
+        sender.send(WorkersStarted(first, world, tuple(machines), plan.workers_per_node))
     probes = memory_probe_steps(recipe.train.steps, device.type)
     tokens_per_step = plan.global_batch_size * plan.seq_len
     flops_per_token = model_shape(model).flops_per_token(plan.seq_len)

@@ -32,6 +32,7 @@ class Tag(StrEnum):
     COMPARED_RUNS = "compared_runs"
     SWEEP = "sweep"  # the sweep a run belongs to
     RESTARTS = "restarts"  # how often Ray Train restarted the workers after a failure
+    SPLIT_PLAN_NODES = "split_plan_nodes"  # plan nodes whose workers landed on more than one machine
 
 
 class RunKind(StrEnum):
