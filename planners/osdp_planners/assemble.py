@@ -5,7 +5,7 @@ import json
 from torch import nn
 
 from osdp_planners.choice import Choice
-from osdp_planners.cpu_wait import BUSY_SHARE
+from osdp_planners.cpu_wait import BUSY_SHARE, BUSY_TIMES
 from osdp_planners.evaluate import Context
 from osdp_planners.explanation import Explanation, jsonable
 from osdp_planners.plan import Baseline, Plan, Predicted, UnitPlan
@@ -43,7 +43,7 @@ def _times_from(ctx: Context) -> str:
         waited = max(ctx.measured.cpu_wait_share or 0.0, (comm.cpu_wait_share if comm else None) or 0.0)
         if waited > BUSY_SHARE:
             return (
-                f"measured on a busy host: the probe waited {waited:.0%} of its time for a CPU, so its times are "
+                f"{BUSY_TIMES}: the probe waited {waited:.0%} of its time for a CPU, so its times are "
                 "slow; such a measurement is not kept: plan again on a quiet host"
             )
         return "measured"

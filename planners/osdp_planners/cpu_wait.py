@@ -18,6 +18,7 @@ from typing import Any
 
 SCHEDSTAT = Path("/proc/thread-self/schedstat")
 BUSY_SHARE = 0.25  # a probe whose ranks waited longer than this share of its time for a CPU is slow
+BUSY_TIMES = "measured on a busy host"  # how a plan's `times_from` begins when its probe was slow so
 
 
 def run_queue_wait_s() -> float | None:

@@ -63,7 +63,7 @@ def register_fake_backend() -> None:
 
 
 def set_recomputing(modules: Iterable[Module], on: bool) -> None:
-    """Switch `checkpoint` on or off on modules it was applied to: the compute probe times one model
-    with and without recomputation, turn by turn. The hooks stay; this flag of their state decides."""
+    """Switch `checkpoint` on or off on modules it was applied to: the compute probe times a model with
+    recomputation and then hands it back without. The hooks stay; this flag of their state decides."""
     for module in modules:
         checkpoint.state(module).enable_hook = on

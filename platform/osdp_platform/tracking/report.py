@@ -16,6 +16,7 @@ from matplotlib.axes import Axes
 from rich.console import Console
 from rich.table import Table
 
+from osdp_planners.cpu_wait import BUSY_TIMES
 from osdp_planners.explanation import PlanResult
 from osdp_planners.plan import Plan, UnitPlan
 from osdp_platform.tracking.runs import RunTracker
@@ -106,7 +107,7 @@ def comparison(result: PlanResult) -> str:
 def slow_times(plan: Plan) -> str | None:
     """What a run's user is warned of before training: predictions from a probe that shared its host."""
     said = plan.predicted.times_from
-    return f"the plan's times were {said}" if said and said.startswith("measured on a busy host") else None
+    return f"the plan's times were {said}" if said and said.startswith(BUSY_TIMES) else None
 
 
 def search_summary(plan: Plan) -> str | None:
