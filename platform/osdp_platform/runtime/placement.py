@@ -20,11 +20,14 @@ def split_plan_nodes(machines: list[int], workers_per_node: int) -> list[int]:
     return [n for n in nodes if len(set(machines[n * workers_per_node : (n + 1) * workers_per_node])) > 1]
 
 
-def machine_of_each_rank(machine: int) -> list[int]:
-    """Every rank's machine (Ray Train's node rank), gathered from every rank: a collective, all ranks call it."""
-    gathered: list[int | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, machine)
-    return [int(m) for m in gathered if m is not None]
+def machine_of_each_rank(node_id: str) -> list[int]:
+    """Every rank's machine, numbered in rank order, from each rank's Ray node id: the unit Ray places
+    workers on and the driver's pool check counts (Ray Train's node rank numbers IP addresses, which
+    several Ray nodes of one host share). A collective: every rank calls it."""
+    gathered: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, node_id)
+    numbers: dict[str | None, int] = {}
+    return [numbers.setdefault(n, len(numbers)) for n in gathered]
 
 
 def split_warning(machines: list[int], workers_per_node: int) -> str | None:

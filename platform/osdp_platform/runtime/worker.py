@@ -167,7 +167,7 @@ def train_loop(config: dict[str, Any], before_step: Callable[[int], None] | None
     own = saved.path if saved else None
     state = build_worker_state(recipe, plan, device, partial(restore, own=own, resume_from=cfg.resume_from))
     model, optimizer, first = state.model, state.optimizer, state.first_step
-    machines = machine_of_each_rank(ctx.get_node_rank())
+    machines = machine_of_each_rank(ray.get_runtime_context().get_node_id())
     sender = MetricsSender(cfg.inbox) if rank == 0 and cfg.inbox is not None else None
     if sender is not None:
         sender.send(WorkersStarted(first, world, tuple(machines), plan.workers_per_node))
