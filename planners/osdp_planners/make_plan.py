@@ -28,6 +28,7 @@ from osdp_planners.disk_cache import PICKLE, cached
 from osdp_planners.errors import UserError, UserErrors
 from osdp_planners.evaluate import Context, evaluate
 from osdp_planners.explanation import PlanResult
+from osdp_planners.hardware import GIB
 from osdp_planners.model_probe import Training, calibrate, measure_on_ranks
 from osdp_planners.options import Option
 from osdp_planners.osdp import search_osdp
@@ -149,6 +150,24 @@ def _time_on_device(
     return MeasuredTimes.from_dict(cached(f"device-v{DEVICE_CACHE_VERSION}", key, measure, keep=quiet))
 
 
+def check_capacity(req: PlanRequest, capacity: int, device_name: str) -> None:
+    """Refuse a budget larger than the GPU the planner runs on: its plans would fill memory the pool lacks.
+
+    The planner actor runs on one of the pool's devices, so its capacity is the pool's."""
+    if req.memory_limit_bytes <= capacity:
+        return
+    by_preset = req.budget_key == "hardware.preset"
+    raise UserError(
+        req.budget_key,
+        req.device.name if by_preset else round(req.memory_limit_bytes / GIB, 4),
+        f"budgets {req.memory_limit_bytes / GIB:.2f} GiB per device, more than the {capacity / GIB:.2f} GiB "
+        f"this pool's GPU ({device_name}) has",
+        f"set hardware.memory_per_device_gb to at most {capacity / GIB:.2f}"
+        if by_preset
+        else f"lower {req.budget_key} to at most {capacity / GIB:.2f}",
+    )
+
+
 def build_context(build: Builder, req: PlanRequest, measure_on: str | None) -> Context:
     """Profile the model (fake tensors) and, where it runs here, time it for real.
 
@@ -175,7 +194,11 @@ def build_context(build: Builder, req: PlanRequest, measure_on: str | None) -> C
                     probes = Topology(req.world_size, req.workers_per_node, req.device, comm)
                     comm = calibrate(comm, overheads, profile, probes, compute_bytes, measured.optimizer_s_per_param)
         else:
-            measured = _time_on_device(build, req, torch.device(measure_on), flops, structure)
+            device = torch.device(measure_on)
+            capacity = device_memory(device)
+            if capacity is not None:
+                check_capacity(req, capacity, torch.cuda.get_device_name(device))
+            measured = _time_on_device(build, req, device, flops, structure)
     return Context(
         profile,
         Topology(req.world_size, req.workers_per_node, req.device, comm),

@@ -5,7 +5,9 @@ import dataclasses
 import pytest
 
 from helpers import ZooModel, plan_zoo, zoo_request
+from osdp_planners.errors import UserError
 from osdp_planners.hardware import GIB, get_preset
+from osdp_planners.make_plan import check_capacity
 from osdp_planners.margin import MemoryMargin
 from osdp_planners.plan import Plan
 
@@ -52,3 +54,24 @@ def test_a_plan_records_the_margin_it_was_planned_under_and_reads_older_plans() 
     older = plan.model_dump(mode="json")
     older["memory_margin"]["usable_bytes"] = int(margin.usable(GIB // 8))
     assert Plan.model_validate(older) == plan
+
+
+@pytest.mark.parametrize(
+    ("preset", "reported_gib"),
+    # The capacities torch's out-of-memory messages state for these GPUs (the lowest seen of each).
+    [("a100-40gb", 39.39), ("a100-80gb", 79.14), ("h100-80gb", 79.14), ("h200-141gb", 139.72)],
+)
+def test_a_gpu_presets_budget_fits_the_gpu_it_names(preset: str, reported_gib: float) -> None:
+    """A recipe that names only the preset plans within what CUDA reports; a budget of the marketed
+    size does not, and the planner running on such a GPU refuses it naming the key and the fix."""
+    req = dataclasses.replace(zoo_request(), device=get_preset(preset), budget_key="hardware.preset")
+    capacity = int(reported_gib * GIB)
+    check_capacity(dataclasses.replace(req, memory_limit_bytes=get_preset(preset).memory_bytes), capacity, "GPU")
+    marketed = int(float(preset.split("-")[1].removesuffix("gb")) * GIB)
+    with pytest.raises(UserError) as refused:
+        check_capacity(dataclasses.replace(req, memory_limit_bytes=marketed), capacity, "NVIDIA GPU")
+    assert refused.value.field == "hardware.preset" and refused.value.value == preset
+    assert f"{reported_gib:.2f} GiB" in refused.value.problem and "memory_per_device_gb" in refused.value.fix
+    own = dataclasses.replace(req, memory_limit_bytes=marketed, budget_key="planner.memory_limit_gb")
+    with pytest.raises(UserError, match="lower planner.memory_limit_gb to at most"):
+        check_capacity(own, capacity, "NVIDIA GPU")
