@@ -51,14 +51,27 @@ def _grouped_mm_flops(mat_a: torch.Tensor, mat_b: torch.Tensor, *_args: Any, out
     return 2 * out_val.numel() // groups * mat_a.shape[-1]
 
 
+def _attention_flops(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *_args: Any, **_kw: Any) -> int:
+    """Scores (q k^T) and weighted values of scaled-dot-product attention over every query head, causal or
+    not (as torch counts it). Grouped-query attention shares each key/value head among several query heads;
+    torch's own formula refuses those shapes before 2.13, so every attention kernel is counted here."""
+    batch, heads, s_q, d_qk = query.shape
+    s_k, d_v = key.shape[-2], value.shape[-1]
+    return 2 * batch * heads * s_q * s_k * (d_qk + d_v)
+
+
 # torch's counter has the attention kernels of CUDA alone, and the profile traces on CPU fake tensors,
-# where scaled_dot_product_attention runs the CPU flash kernel: its FLOPs are those of CUDA's
+# where scaled_dot_product_attention runs the CPU flash kernel: all of them are counted alike
+ATTENTION_KERNELS = (
+    torch.ops.aten._scaled_dot_product_flash_attention,
+    torch.ops.aten._scaled_dot_product_efficient_attention,
+    torch.ops.aten._scaled_dot_product_cudnn_attention,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+)
 FLOP_COUNTS = {
     **flop_registry,
     torch.ops.aten._grouped_mm: _grouped_mm_flops,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: flop_registry[
-        torch.ops.aten._scaled_dot_product_flash_attention
-    ],
+    **dict.fromkeys(ATTENTION_KERNELS, _attention_flops),
 }
 
 
