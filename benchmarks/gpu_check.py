@@ -305,6 +305,13 @@ def write_section(md: Path, section: list[str]) -> None:
     md.write_text(text)
 
 
+def _failure(stderr: str) -> str:
+    """A failed case's last lines: an exception's message and, for a UserError, the fix line after it (the
+    last line alone once kept the fix and lost what failed, on a device run that cannot be repeated soon)."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    return " / ".join(lines[-4:])[-800:] or "?"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -336,7 +343,7 @@ def main() -> None:
             rows.append({"case": name, "error": "over its time limit"})
         else:
             if done.returncode:
-                rows.append({"case": name, "error": (done.stderr.strip().splitlines() or ["?"])[-1][:200]})
+                rows.append({"case": name, "error": _failure(done.stderr)})
             else:
                 rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]), flush=True)

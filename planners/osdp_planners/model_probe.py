@@ -16,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import cloudpickle
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -81,6 +80,8 @@ def _overheads(
 
 
 def measure_rank(_rank: int, world: int, args: list[str]) -> dict[str, Any]:
+    import cloudpickle  # here, not at the top: a GPU node checked before Ray is installed lacks it
+
     with open(args[0], "rb") as f:
         build, seq_len, vocab_size, train = cloudpickle.load(f)
     torch.manual_seed(0)
@@ -105,6 +106,8 @@ def measure_on_ranks(
 ) -> tuple[MeasuredTimes, ModelOverheads | None]:
     """Time the model on `ranks` concurrent CPU processes as the workers `train` it; cached per model
     (`model_key`), shape, training settings and ranks."""
+    import cloudpickle  # see measure_rank
+
     train = train or Training()
     shape = f"{model_key}|{seq_len}|{vocab_size}|{TIMING_BATCHES}|{train.precision}|{train.optimizer}|{train.compile}"
     key = hashlib.sha256(shape.encode()).hexdigest()[:16]
