@@ -73,5 +73,5 @@ def test_a_gpu_presets_budget_fits_the_gpu_it_names(preset: str, reported_gib: f
     assert refused.value.field == "hardware.preset" and refused.value.value == preset
     assert f"{reported_gib:.2f} GiB" in refused.value.problem and "memory_per_device_gb" in refused.value.fix
     own = dataclasses.replace(req, memory_limit_bytes=marketed, budget_key="planner.memory_limit_gb")
-    with pytest.raises(UserError, match="lower planner.memory_limit_gb to at most"):
+    with pytest.raises(UserError, match=r"lower planner\.memory_limit_gb to at most"):
         check_capacity(own, capacity, "NVIDIA GPU")
