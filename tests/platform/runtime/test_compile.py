@@ -66,7 +66,10 @@ def test_compiled_units_compose_with_fsdp2_on_a_fake_rank() -> None:
         model = BUILD("cpu")
         apply_plan(model, plan, "cpu")
         assert len(_compiled(model, plan)) == sum(len(u.modules) for u in plan.units if u.modules != [""])
-        losses = _steps(model, [torch.randint(0, 256, (2, SEQ)) for _ in range(2)])
-        assert all(torch.isfinite(torch.tensor(losses)))
+        before = [p.to_local().clone() for p in model.parameters()]
+        _steps(model, [torch.randint(0, 256, (2, SEQ)) for _ in range(2)])
+        # backward reached every shard through the compiled forwards; the values are not checked: on a
+        # fake rank collectives leave their outputs as allocated, so they may be anything (NaN on torch 2.11)
+        assert all(not torch.equal(b, p.to_local()) for b, p in zip(before, model.parameters(), strict=True))
     finally:
         dist.destroy_process_group()
