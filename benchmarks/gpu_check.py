@@ -7,10 +7,11 @@ the fake process group: collectives move nothing, compute and memory are real, s
 predicted with communication priced at zero. Per model a hand-written loop (the plain module,
 torch.autocast(bf16), AdamW(fused=True)) gives the speed to match. MFU = (6N + 12 L d s) x tokens/s /
 peak (osdp_planners.mfu). Needs torch, numpy, scipy, pyyaml, pydantic and omegaconf: nothing here
-imports Ray or MLflow, so a node can be checked before the platform is installed on it.
+imports Ray or MLflow, so a node can be checked before the platform is installed on it: from the
+repository's root, PYTHONPATH names its two package folders.
 Writes benchmarks/results/gpu_check.json and its section of benchmarks/RESULTS.md.
-Run (at most 5 minutes on one H100/H200):  python benchmarks/gpu_check.py
-Smoke test on CPU:  python benchmarks/gpu_check.py --device cpu --tiny
+Run (at most 5 minutes on one H100/H200):  PYTHONPATH=platform:planners python benchmarks/gpu_check.py
+Smoke test on CPU:  PYTHONPATH=platform:planners python benchmarks/gpu_check.py --device cpu --tiny
 """
 
 import argparse

@@ -9,8 +9,9 @@ steady-state steps beside the simulated peak, and how much of the GPU margin
 (planners/osdp_planners/margin.py) the reserve-over-allocated gap uses. `--snapshot PLAN` records the
 allocator's history for one plan and prints the blocks alive at its allocated peak, grouped by where
 they were allocated. Imports no Ray or MLflow.
-Prints a table and writes benchmarks/results/gpu_fake_rank.json. One call on a lent H100/H200:
-  .venv/bin/python benchmarks/gpu_fake_rank.py recipes/llama.yaml model.size=1b --world 8
+Prints a table and writes benchmarks/results/gpu_fake_rank.json. One call on a lent H100/H200, from the
+repository's root (PYTHONPATH stands in for installing the platform, as for gpu_check.py):
+  PYTHONPATH=platform:planners python benchmarks/gpu_fake_rank.py recipes/llama.yaml model.size=1b --world 8
 `--device cpu` runs the same code with torch's memory tracker (no reserve), as a smoke test.
 """
 

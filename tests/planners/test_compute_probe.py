@@ -3,6 +3,7 @@
 import dataclasses
 import importlib
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -154,6 +155,27 @@ def test_the_gpu_check_imports_nothing_a_bare_gpu_node_lacks() -> None:
     benchmarks = REPO / "benchmarks"  # `python -c` imports from its cwd
     out = subprocess.run([sys.executable, "-c", code], cwd=benchmarks, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_timing_on_a_device_needs_none_of_them(tmp_path: Path) -> None:
+    """The planner's device path (the model timed whole in this process, as on a GPU) runs with every
+    module a bare GPU node lacks made unimportable; only the CPU pool's probe ranks need cloudpickle."""
+    code = (
+        f"import sys; sys.modules.update(dict.fromkeys({sorted(ABSENT_ON_A_BARE_GPU_NODE)}))\n"
+        "import torch\n"
+        "from osdp_planners import make_plan\n"
+        "from osdp_platform.planning.local import plan_request\n"
+        "from osdp_platform.recipe.loader import load_recipe\n"
+        "from osdp_platform.runtime.models import build_model\n"
+        "recipe = load_recipe('recipes/tiny.yaml', ['data.seq_len=16'])\n"
+        "build = lambda device: build_model(recipe.model, device)\n"
+        "times = make_plan._time_on_device(build, plan_request(recipe), torch.device('cpu'), {}, 's')\n"
+        "print(times.optimizer_s_per_param)"
+    )
+    env = {**os.environ, "OSDP_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert float(out.stdout.split()[-1]) > 0
 
 
 def test_the_gpu_check_writes_a_gpu_probes_step_parts_as_json(monkeypatch: pytest.MonkeyPatch) -> None:
