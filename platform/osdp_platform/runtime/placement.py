@@ -13,11 +13,16 @@ import torch.distributed as dist
 NAMED = 4  # split plan nodes a warning names one by one (it is also a tag, whose length MLflow limits)
 
 
+def _machines_of(node: int, machines: list[int], workers_per_node: int) -> set[int]:
+    """The machines plan node `node` (ranks node * workers_per_node onwards) runs on."""
+    return set(machines[node * workers_per_node : (node + 1) * workers_per_node])
+
+
 def split_plan_nodes(machines: list[int], workers_per_node: int) -> list[int]:
     """The plan nodes (rank // workers_per_node) whose ranks run on more than one machine (`machines`: the
     machine of each rank)."""
     nodes = range(len(machines) // workers_per_node)
-    return [n for n in nodes if len(set(machines[n * workers_per_node : (n + 1) * workers_per_node])) > 1]
+    return [n for n in nodes if len(_machines_of(n, machines, workers_per_node)) > 1]
 
 
 def machine_of_each_rank(node_id: str) -> list[int]:
@@ -37,7 +42,7 @@ def split_warning(machines: list[int], workers_per_node: int) -> str | None:
         return None
     where = "; ".join(
         f"plan node {n} (ranks {n * workers_per_node}-{(n + 1) * workers_per_node - 1}) on machines "
-        + ", ".join(str(m) for m in sorted(set(machines[n * workers_per_node : (n + 1) * workers_per_node])))
+        + ", ".join(str(m) for m in sorted(_machines_of(n, machines, workers_per_node)))
         for n in split[:NAMED]
     ) + (f" and {len(split) - NAMED} more plan nodes" if len(split) > NAMED else "")
     return (
