@@ -71,7 +71,7 @@ def _parameters_on_meta() -> Iterator[None]:
 def _hf_model(section: ModelSection) -> nn.Module:
     """A `transformers` causal LM from a config alone (inline, or a local config.json): nothing is downloaded."""
     try:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM
     except ImportError:
         raise UserError(
             "model.hf_config", section.hf_config, "needs the transformers package", "pip install transformers"
@@ -89,6 +89,14 @@ def _hf_model(section: ModelSection) -> nn.Module:
             f"is not a usable transformers config ({' '.join(str(exc).split())[:200]})",
             "give model_type (e.g. llama, gpt2) and that model's config fields, or the path of a local config.json",
         ) from None
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:  # an encoder-decoder (t5) or an encoder-only model
+        raise UserError(
+            "model.hf_config",
+            section.hf_config,
+            f"model_type {config.model_type!r} has no causal language model in transformers "
+            "(AutoModelForCausalLM has no class for it), and the platform trains next-token prediction",
+            "use a decoder-only model_type, such as llama, qwen2, mistral, gemma or gpt2",
+        )
     config.use_cache = False  # training never reads a KV cache; without this every forward returns one
     # torch's default dtype, not the config's (a Hub config says bfloat16): fp32 master weights where the
     # runtime builds, the compute dtype where the profiler traces activations under bf16-mixed
