@@ -38,7 +38,7 @@ def preflight(recipe: Recipe, where: Where) -> None:
     """Every check that needs neither Ray nor a worker."""
     check_data(recipe)
     model = meta_model(recipe.model)
-    check_forward(model, recipe.data.seq_len, recipe.train.precision)
+    _check_forward(recipe.model, model, recipe.data.seq_len, recipe.train.precision)
     check_plan_file(recipe, model)
     if where is not Where.CLUSTER:
         check_checkpoint_dir(recipe)
@@ -135,6 +135,24 @@ def _unbuildable(section: ModelSection, exc: Exception, warnings: list[str]) -> 
         "keyword arguments alone; see the README's 'Your own model'"
     )
     return UserError(field, value, problem, fix)
+
+
+def _check_forward(section: ModelSection, model: nn.Module, seq_len: int, precision: str) -> None:
+    """The forward traced as training runs it; a transformers model that fails its own forward was
+    built from a config whose fields disagree, so the config is named, not a module's code."""
+    try:
+        check_forward(model, seq_len, precision)
+    except UserError as exc:
+        if section.hf_config is None or exc.field != "model":
+            raise
+        raise UserError(
+            "model.hf_config",
+            section.hf_config,
+            f"the model transformers builds from it fails its own forward in {exc.value!r}: {exc.problem}",
+            "make the config's fields agree with each other (a rotary or head dimension against hidden_size "
+            "/ num_attention_heads, say); if transformers trains this config as it is, report it to the "
+            "platform's maintainers",
+        ) from exc
 
 
 def check_plan_file(recipe: Recipe, model: nn.Module) -> None:
