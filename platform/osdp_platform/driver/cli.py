@@ -255,7 +255,9 @@ def _run(args: argparse.Namespace, console: Console) -> int:
 
     preflight(recipe, where_it_runs(args.address))  # before Ray and the training modules are even imported
     from osdp_platform.driver.submit import ray_logs_hint, submit
+    from osdp_platform.tracking.runs import check_reachable
 
+    check_reachable(recipe.tracking.resolved_uri)  # submit checks it too; a refused store is refused before the hint
     if not args.verbose:
         ray_logs_hint(console)
     submit(recipe, address=args.address, console=console, resume=args.resume, verbose=args.verbose)

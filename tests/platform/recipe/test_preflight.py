@@ -138,6 +138,19 @@ CASES: dict[str, Case] = {
         ),
         "pad_token_id must be `None` or an integer within the vocabulary",
     ),
+    "hf config not a causal lm": Case(  # t5 is an encoder-decoder: AutoModelForCausalLM has no class for it
+        _on_tiny("model.family=null", "model.size=null", "model.hf_config.model_type=t5"), "no causal language model"
+    ),
+    "hf config fails its forward": Case(  # gptj's default rotary_dim (64) exceeds this head size (64 / 4 = 16)
+        _on_tiny(
+            "model.family=null",
+            "model.size=null",
+            "model.hf_config={model_type: gptj, vocab_size: 300, n_embd: 64, n_layer: 2, n_head: 4}",
+            "model.hf_config.eos_token_id=0",
+            "model.hf_config.bos_token_id=0",
+        ),
+        "model.hf_config = ",
+    ),
     "vocab below tokenizer": Case(_on_tiny("data.tokenizer=bpe", "model.kwargs.vocab_size=300"), "vocab"),
     # hardware, planner, train
     "unknown preset": Case(_on_tiny("hardware.preset=tpu-v9"), "hardware.preset"),
@@ -171,6 +184,10 @@ CASES: dict[str, Case] = {
     "uniform budget fits nothing": Case(
         _on_tiny("planner.name=zero3", "hardware.memory_per_device_gb=0.0001", command="plan"), "no zero3 plan fits"
     ),
+    "tracking folder store": Case(
+        _on_tiny("tracking.uri=file:///tmp/no-store", command="submit"), "MLFLOW_ALLOW_FILE_STORE"
+    ),
+    "tracking server down": Case(_on_tiny("tracking.uri=http://127.0.0.1:9", command="submit"), "does not answer"),
     # data
     "text file missing": Case(_on_tiny("data.source=text_file", "data.path=/no/text.txt"), "data.path"),
     "text file is a folder": Case(
@@ -248,8 +265,9 @@ def test_a_mistake_gets_one_message_and_starts_nothing(
     argv = case.argv(workdir)
     before = set(os.listdir(workdir))
     code = main(argv)
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert code == EXIT_USER_ERROR, err
+    assert "Ray's logs" not in out, f"the run announced Ray before refusing the recipe:\n{out}"
     assert err.startswith("error: ") and "Traceback" not in err, err
     assert case.names in err, f"the message does not name {case.names!r}:\n{err}"
     assert "fix" in err, err
