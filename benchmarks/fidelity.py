@@ -5,7 +5,7 @@ Runs `submit` on the tiny recipe for each planner, `--repeats` rounds interleave
 without Ray: the first column pair is what a user sees, the second isolates the cost model from the
 runtime's own load on the workers' cores. Prints a table and writes benchmarks/results/fidelity.json.
 Targets (issue 3): memory within 10%, step time within 25%.
-Run: .venv/bin/python benchmarks/fidelity.py [--steps 30] [--repeats 3]
+Run: .venv/bin/python benchmarks/fidelity.py [--steps 30] [--repeats 3] [--micro 8,32,128 --out FILE]
 """
 
 import argparse
@@ -58,19 +58,23 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--planners", default="ddp,zero2,zero3,hsdp,osdp")
+    parser.add_argument("--micro", default="8", help="micro batch sizes, comma-separated (the probe times 1 and 4)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     console = Console()
-    names = args.planners.split(",")
+    cells = [(planner, int(micro)) for micro in args.micro.split(",") for planner in args.planners.split(",")]
+    names = [f"{planner}@{micro}" for planner, micro in cells]
     runs: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     plans: dict[str, Plan] = {}
     with tempfile.TemporaryDirectory() as tmp:
         ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
         for _ in range(args.repeats):
-            for name in names:
+            for name, (planner, micro) in zip(names, cells, strict=True):
                 recipe = load_recipe(
                     RECIPE,
                     [
-                        f"planner.name={name}",
+                        f"planner.name={planner}",
+                        f"train.micro_batch_size={micro}",
                         f"train.steps={args.steps}",
                         "hardware.memory_per_device_gb=1",
                         f"tracking.uri=sqlite:///{tmp}/mlflow.db",
@@ -85,20 +89,28 @@ def main() -> None:
         bare = run_ranks("fidelity:bare_rank", plans[names[0]].world_size, [str(plan_file)])
     rows = [_row(name, plans[name], runs[name], bare[name]) for name in names]
     _print(console, rows, args)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
         json.dumps(
-            {"machine": stdlib_platform.node(), "steps": args.steps, "repeats": args.repeats, "rows": rows}, indent=2
+            {
+                "machine": stdlib_platform.node(),
+                "steps": args.steps,
+                "repeats": args.repeats,
+                "micro_batches": args.micro,
+                "rows": rows,
+            },
+            indent=2,
         )
     )
-    console.print(f"written {RESULTS}")
+    console.print(f"written {args.out}")
 
 
 def _row(name: str, plan: Plan, runs: list[dict[str, float]], bare_s: float) -> dict[str, Any]:
     pred = plan.predicted
     steps = [r["measured_step_time_s"] for r in runs]
     return {
-        "planner": name,
+        "planner": name.split("@")[0],
+        "micro_batch": plan.micro_batch_size,
         "strategies": sorted({f"{u.strategy.value}/{u.shard_group_size}" for u in plan.units}),
         "predicted_step_time_s": pred.step_time_s,
         "measured_step_time_s": steps,
@@ -118,6 +130,7 @@ def _print(console: Console, rows: list[dict[str, Any]], args: argparse.Namespac
     )
     for col in (
         "planner",
+        "micro",
         "predicted step ms",
         "Ray runs ms",
         "Ray / predicted",
@@ -130,6 +143,7 @@ def _print(console: Console, rows: list[dict[str, Any]], args: argparse.Namespac
     for r in rows:
         table.add_row(
             r["planner"],
+            str(r["micro_batch"]),
             f"{r['predicted_step_time_s'] * 1e3:.1f}",
             " ".join(f"{s * 1e3:.0f}" for s in r["measured_step_time_s"]),
             f"{r['step_time_ratio_median']:.2f}",
