@@ -5,10 +5,11 @@ import json
 from torch import nn
 
 from osdp_planners.choice import Choice
+from osdp_planners.compute_probe import EXTRAPOLATION_SAID, TIMING_BATCHES
 from osdp_planners.cpu_wait import BUSY_SHARE, BUSY_TIMES
 from osdp_planners.evaluate import Context
 from osdp_planners.explanation import Explanation, jsonable
-from osdp_planners.plan import Baseline, Plan, Predicted, UnitPlan
+from osdp_planners.plan import EXTRAPOLATED, Baseline, Plan, Predicted, UnitPlan
 from osdp_planners.request import PlanRequest
 from osdp_planners.units import structure_hash
 
@@ -35,18 +36,27 @@ def make_plan(
     )
 
 
-def _times_from(ctx: Context) -> str:
+def _times_from(ctx: Context, micro_batch_size: int) -> str:
     """Planned offline (no device to time on), the plan says its times are the preset's; timed on a busy
-    host, it says that its times are slow and how to measure them again."""
+    host, it says that its times are slow and how to measure them again; at a micro batch far beyond
+    the timed ones, that its times are a line extrapolated that far."""
     if ctx.measured is not None:
         comm = ctx.topo.measured
         waited = max(ctx.measured.cpu_wait_share or 0.0, (comm.cpu_wait_share if comm else None) or 0.0)
-        if waited > BUSY_SHARE:
-            return (
-                f"{BUSY_TIMES}: the probe waited {waited:.0%} of its time for a CPU, so its times are "
-                "slow; such a measurement is not kept: plan again on a quiet host"
+        said = (
+            f"{BUSY_TIMES}: the probe waited {waited:.0%} of its time for a CPU, so its times are "
+            "slow; such a measurement is not kept: plan again on a quiet host"
+            if waited > BUSY_SHARE
+            else "measured"
+        )
+        timed = TIMING_BATCHES[-1]
+        if micro_batch_size > EXTRAPOLATION_SAID * timed:
+            said += (
+                f"{',' if said == 'measured' else ';'} {EXTRAPOLATED} on a line from micro batches "
+                f"{' and '.join(map(str, TIMING_BATCHES))} to {micro_batch_size}, {micro_batch_size / timed:g}x "
+                "the largest timed: on CPU pools such steps ran up to 2.2x the prediction"
             )
-        return "measured"
+        return said
     device = ctx.topo.device
     return f"preset {device.name}: FLOPs at {device.flops_per_s / 1e12:g} TFLOP/s sustained"
 
@@ -73,7 +83,7 @@ def to_plan(model: nn.Module, req: PlanRequest, ctx: Context, choice: Choice, ba
                 reserved_memory_bytes=int(req.margin.reserved(ev.peak_bytes)),
                 step_time_s=ev.step_time_s,
                 throughput_samples_per_s=ev.throughput,
-                times_from=_times_from(ctx),
+                times_from=_times_from(ctx, choice.micro_batch_size),
             ),
             "baselines": baselines,
             "search": choice.report,

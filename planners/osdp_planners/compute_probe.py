@@ -27,6 +27,10 @@ from osdp_planners.torch_private import checkpoint, set_recomputing
 from osdp_planners.units import ROOT, find_units
 
 TIMING_BATCHES = (1, 4)
+# a micro batch beyond this multiple of the largest timing batch is priced by the line far past what was
+# timed, and the plan says so: on the 2-core CPU, 2 workers at micro batch 32-128 stepped 1.2-2.2x the
+# prediction, against 1.0-1.7x at 4-8 (benchmarks/RESULTS.md, "Measured by other scripts")
+EXTRAPOLATION_SAID = 4
 REPEATS = 9
 PROBE_FRACTION = 0.5  # of a GPU's memory the states of a probe's model may take
 PROBE_BYTES_PER_PARAM = 20  # fp32 weights, gradients and two moments, and the bf16 copy with its gradients

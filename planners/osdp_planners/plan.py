@@ -38,13 +38,16 @@ class UnitPlan(_Strict):
     predicted_time_s: float | None = None
 
 
+EXTRAPOLATED = "extrapolated"  # in `times_from`: the step's times are a line carried far past what was timed
+
+
 class Predicted(_Strict):
     peak_memory_bytes: int | None = None  # allocated: what the rank's tensors occupy at its peak
     reserved_memory_bytes: int | None = None  # what the caching allocator holds then (the budget checks this)
     step_time_s: float | None = None
     throughput_samples_per_s: float | None = None
-    # where compute times came from: "measured" on the pool's device (saying so if the host was busy),
-    # or "preset <name>" (FLOPs over its rate)
+    # where compute times came from: "measured" on the pool's device (saying so if the host was busy, and
+    # if EXTRAPOLATED far beyond the micro batches timed), or "preset <name>" (FLOPs over its rate)
     times_from: str | None = None
 
 

@@ -18,7 +18,7 @@ from rich.table import Table
 
 from osdp_planners.cpu_wait import BUSY_TIMES
 from osdp_planners.explanation import PlanResult
-from osdp_planners.plan import Plan, UnitPlan
+from osdp_planners.plan import EXTRAPOLATED, Plan, UnitPlan
 from osdp_platform.tracking.runs import RunTracker
 
 MIB = 1024**2
@@ -105,9 +105,10 @@ def comparison(result: PlanResult) -> str:
 
 
 def slow_times(plan: Plan) -> str | None:
-    """What a run's user is warned of before training: predictions from a probe that shared its host."""
+    """What a run's user is warned of before training: predictions from a probe that shared its host,
+    or extrapolated far beyond the micro batches it timed."""
     said = plan.predicted.times_from
-    return f"the plan's times were {said}" if said and said.startswith(BUSY_TIMES) else None
+    return f"the plan's times were {said}" if said and (said.startswith(BUSY_TIMES) or EXTRAPOLATED in said) else None
 
 
 def search_summary(plan: Plan) -> str | None:
