@@ -8,6 +8,7 @@ from osdp_planners.batch_search import AUTO_MILP_BINARIES, AUTO_TIME_LIMIT_S, ca
 from osdp_planners.choice import Choice, describe
 from osdp_planners.errors import NoPlanFits
 from osdp_planners.evaluate import Bound, Context, evaluate
+from osdp_planners.hardware import GIB
 from osdp_planners.milp import TIME_LIMIT_S, least_peak
 from osdp_planners.options import SPLITS, Option
 from osdp_planners.plan import Strategy
@@ -15,8 +16,6 @@ from osdp_planners.request import PlanRequest
 from osdp_planners.search import least_bound
 from osdp_planners.space import batch_candidates, checkpointable, splittable, unit_option_lists
 from osdp_planners.uniform import uniform_footprint
-
-GIB = 1024**3
 
 
 def _use_milp(mode: str, binaries: int) -> bool:
@@ -67,16 +66,19 @@ def infeasible(ctx: Context, req: PlanRequest) -> NoPlanFits:
     need = low.evaluation.peak_bytes
     what = f"no {req.planner} plan fits at any batch size" if uniform else "no plan fits"
     advised = req.margin.budget_for(need) / GIB
-    fix = (
-        f"raise {req.budget_key} to at least {advised:.4f} GiB (the footprint plus the "
-        f"{req.margin.describe()} margin), add devices, or shorten data.seq_len"
+    at_least = f"at least {advised:.4f} GiB (the footprint plus the {req.margin.describe()} margin)"
+    more = (
+        f"train on devices of {at_least}: a larger preset, or hardware.memory_per_device_gb"
+        if req.budget_by_preset
+        else f"raise {req.budget_key} to {at_least}"
     )
+    fix = f"{more}; or add devices, or shorten data.seq_len"
     if uniform:
         mixed = req.margin.budget_for(smallest_footprint(ctx, req).evaluation.peak_bytes) / GIB
         fix += f"; or use planner.name=osdp, which mixes strategies and fits from {mixed:.4f} GiB"
     return NoPlanFits(
         req.budget_key,
-        round(req.memory_limit_bytes / GIB, 4),
+        req.budget_value,
         f"{what}: the smallest footprint the planner finds is {need / GIB:.4f} GiB per device "
         f"({describe(low.options)}; micro batch {low.micro_batch_size}), and {ctx.usable_memory_bytes / GIB:.4f} GiB "
         f"of the budget is usable after the {req.margin.describe()} margin",

@@ -156,14 +156,13 @@ def check_capacity(req: PlanRequest, capacity: int, device_name: str) -> None:
     The planner actor runs on one of the pool's devices, so its capacity is the pool's."""
     if req.memory_limit_bytes <= capacity:
         return
-    by_preset = req.budget_key == "hardware.preset"
     raise UserError(
         req.budget_key,
-        req.device.name if by_preset else round(req.memory_limit_bytes / GIB, 4),
+        req.budget_value,
         f"budgets {req.memory_limit_bytes / GIB:.2f} GiB per device, more than the {capacity / GIB:.2f} GiB "
         f"this pool's GPU ({device_name}) has",
         f"set hardware.memory_per_device_gb to at most {capacity / GIB:.2f}"
-        if by_preset
+        if req.budget_by_preset
         else f"lower {req.budget_key} to at most {capacity / GIB:.2f}",
     )
 

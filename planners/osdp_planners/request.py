@@ -3,7 +3,7 @@
 import warnings
 from dataclasses import dataclass, field
 
-from osdp_planners.hardware import DevicePreset
+from osdp_planners.hardware import GIB, DevicePreset
 from osdp_planners.margin import MemoryMargin
 
 SEARCHES = ("auto", "knapsack", "milp")  # how osdp searches (batch_search.py)
@@ -55,6 +55,17 @@ class PlanRequest:
     @property
     def world_size(self) -> int:
         return self.nodes * self.workers_per_node
+
+    @property
+    def budget_by_preset(self) -> bool:
+        """Whether the budget is the preset's memory: a preset names a device, so it is not raised or
+        lowered by a number, and messages name it and point to hardware.memory_per_device_gb."""
+        return self.budget_key == "hardware.preset"
+
+    @property
+    def budget_value(self) -> object:
+        """The budget as the user wrote it: the preset's name, or the GiB of the key they set."""
+        return self.device.name if self.budget_by_preset else round(self.memory_limit_bytes / GIB, 4)
 
     def default_hsdp_group(self) -> int:
         """Shard inside a node (fast links) and replicate across nodes; on one node, over half of it."""

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from helpers import ZooModel, plan_zoo, zoo_request
-from osdp_planners.errors import UserError
+from osdp_planners.errors import NoPlanFits, UserError
 from osdp_planners.hardware import GIB, get_preset
 from osdp_planners.make_plan import check_capacity
 from osdp_planners.margin import MemoryMargin
@@ -75,3 +75,24 @@ def test_a_gpu_presets_budget_fits_the_gpu_it_names(preset: str, reported_gib: f
     own = dataclasses.replace(req, memory_limit_bytes=marketed, budget_key="planner.memory_limit_gb")
     with pytest.raises(UserError, match=r"lower planner\.memory_limit_gb to at most"):
         check_capacity(own, capacity, "NVIDIA GPU")
+
+
+def test_a_preset_budget_no_plan_fits_is_named_by_the_preset_and_the_fix_does_not_raise_a_name() -> None:
+    """A preset names a device: the refusal names it (not its GiB under the preset's key) and asks for
+    larger devices through a preset or hardware.memory_per_device_gb, whose advised size then plans."""
+    preset = get_preset("a100-40gb")
+    req = dataclasses.replace(
+        zoo_request("llama", 2),
+        device=preset,
+        memory_limit_bytes=GIB // 1024,
+        margin=MemoryMargin.default("gpu"),
+        budget_key="hardware.preset",
+    )
+    with pytest.raises(NoPlanFits) as refused:
+        plan_zoo(ZooModel("llama", 2), req, measure_on=None)
+    err = refused.value
+    assert (err.field, err.value) == ("hardware.preset", "a100-40gb"), err
+    assert "hardware.memory_per_device_gb" in err.fix and "raise hardware.preset" not in err.fix, err.fix
+    assert f"devices of at least {err.advised_gb:.4f} GiB" in err.fix, err.fix
+    advised = dataclasses.replace(req, memory_limit_bytes=int(err.advised_gb * GIB) + 1, budget_key="x")
+    assert plan_zoo(ZooModel("llama", 2), advised, measure_on=None).plan.units
