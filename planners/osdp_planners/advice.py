@@ -1,14 +1,17 @@
-"""Advice when nothing fits: the least memory a plan needs, and the budget to ask for.
+"""Advice when nothing fits: the least memory a plan needs, the budget to ask for, and the devices.
 
 The least footprint is also a candidate of the osdp search (search_osdp), since the knapsack's
 memory bound is conservative and a plan it rejects may fit when simulated.
 """
+
+import dataclasses
 
 from osdp_planners.batch_search import AUTO_MILP_BINARIES, AUTO_TIME_LIMIT_S, candidates, unit_costs
 from osdp_planners.choice import Choice, describe
 from osdp_planners.errors import NoPlanFits
 from osdp_planners.evaluate import Bound, Context, evaluate
 from osdp_planners.hardware import GIB
+from osdp_planners.memory_model import simulate
 from osdp_planners.milp import TIME_LIMIT_S, least_peak
 from osdp_planners.options import SPLITS, Option
 from osdp_planners.plan import Strategy
@@ -16,6 +19,8 @@ from osdp_planners.request import PlanRequest
 from osdp_planners.search import least_bound
 from osdp_planners.space import batch_candidates, checkpointable, splittable, unit_option_lists
 from osdp_planners.uniform import uniform_footprint
+
+MAX_NODES_ADVISED = 1024  # beyond this many nodes the advice stops looking and says devices will not do
 
 
 def _use_milp(mode: str, binaries: int) -> bool:
@@ -31,6 +36,11 @@ def smallest_footprint(ctx: Context, req: PlanRequest) -> Choice:
     with the least simulated peak where the exact program runs (see osdp.search_batch), the plan that
     minimises the search's memory bound, or a uniform ZeRO-3 plan (every split factor, with and
     without checkpointing: splitting adds buffers, so more is not always less), whichever simulates lower."""
+    return min(footprint_candidates(ctx, req), key=lambda c: c.evaluation.peak_bytes)
+
+
+def footprint_candidates(ctx: Context, req: PlanRequest) -> list[Choice]:
+    """The plans smallest_footprint chooses from, each evaluated at the smallest batch."""
     batch, accum = min(batch_candidates(req))
     units = [u.name for u in ctx.profile.units]
     options = unit_option_lists(ctx, req)
@@ -55,8 +65,40 @@ def smallest_footprint(ctx: Context, req: PlanRequest) -> Choice:
                     for u in ctx.profile.units
                 }
             )
-    evaluated = [Choice(p, batch, accum, evaluate(ctx, p, batch, accum)) for p in plans]
-    return min(evaluated, key=lambda c: c.evaluation.peak_bytes)
+    return [Choice(p, batch, accum, evaluate(ctx, p, batch, accum)) for p in plans]
+
+
+def _nodes_to_fit(ctx: Context, req: PlanRequest, plan: Choice) -> int | None:
+    """The fewest nodes on which `plan`, its options sharded over the whole pool regrouped over every
+    device, fits: the states shrink as 1/devices, activations do not. None within MAX_NODES_ADVISED."""
+
+    def peak(nodes: int) -> float:
+        n = nodes * req.workers_per_node
+        opts = {
+            u: dataclasses.replace(o, shard_group_size=n) if o.shard_group_size == req.world_size else o
+            for u, o in plan.options.items()
+        }
+        batch, accum = plan.micro_batch_size, plan.grad_accum_steps
+        return simulate(ctx.profile, opts, batch, ctx.compute_bytes, ctx.optimizer, accum, ctx.overlap).peak
+
+    if peak(MAX_NODES_ADVISED) > ctx.usable_memory_bytes:
+        return None
+    lo, hi = req.nodes, MAX_NODES_ADVISED  # the peak falls with the nodes: the first that fits, by bisection
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if peak(mid) <= ctx.usable_memory_bytes else (mid, hi)
+    return hi
+
+
+def nodes_to_fit(ctx: Context, req: PlanRequest) -> int | None:
+    """The fewest nodes of req.workers_per_node devices of this size on which one of smallest_footprint's
+    plans fits, sharded over every device. Such a plan is in the planner's space there, so a plan fits
+    there (the planner may find one on fewer). None on a single device (nothing is sharded to regroup),
+    or if no pool of up to MAX_NODES_ADVISED nodes does (what a device holds alone exceeds its memory)."""
+    if req.world_size < 2:
+        return None
+    found = [n for c in footprint_candidates(ctx, req) if (n := _nodes_to_fit(ctx, req, c)) is not None]
+    return min(found, default=None)
 
 
 def infeasible(ctx: Context, req: PlanRequest) -> NoPlanFits:
@@ -72,7 +114,14 @@ def infeasible(ctx: Context, req: PlanRequest) -> NoPlanFits:
         if req.budget_by_preset
         else f"raise {req.budget_key} to {at_least}"
     )
-    fix = f"{more}; or add devices, or shorten data.seq_len"
+    nodes = None if uniform else nodes_to_fit(ctx, req)
+    add = (
+        f"or train on {nodes} node(s) of {req.workers_per_node} such devices ({nodes * req.workers_per_node} in all: "
+        "a plan fits there, sharded over every device)"
+        if nodes is not None
+        else "or add devices"
+    )
+    fix = f"{more}; {add}, or shorten data.seq_len"
     if uniform:
         mixed = req.margin.budget_for(smallest_footprint(ctx, req).evaluation.peak_bytes) / GIB
         fix += f"; or use planner.name=osdp, which mixes strategies and fits from {mixed:.4f} GiB"

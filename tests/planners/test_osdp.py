@@ -466,3 +466,23 @@ def test_each_uniform_baseline_is_found_once_per_plan(
     plan = plan_zoo(ZooModel("llama", 2), req).plan
     assert calls == {s: 1 for s in Strategy}
     assert set(plan.baselines) == {s.value for s in Strategy}
+
+
+def test_no_plan_fits_advises_a_pool_of_whole_nodes_on_which_one_does() -> None:
+    """Where sharding over more devices would fit, the refusal names that many nodes, and planning on them
+    at the same budget fits; where what a device holds alone is too much, it names no count."""
+    build = ZooModel("llama", 2)
+    req = zoo_request("llama", 2)
+    with pytest.raises(NoPlanFits) as tight:
+        plan_zoo(build, dataclasses.replace(req, memory_limit_bytes=1 << 16))
+    need = tight.value.advised_gb * GIB  # the least budget on 2 workers
+    budget = int(0.8 * need)
+    with pytest.raises(NoPlanFits) as err:
+        plan_zoo(build, dataclasses.replace(req, memory_limit_bytes=budget))
+    found = re.search(r"train on (\d+) node\(s\) of 2 such devices \((\d+) in all", err.value.fix)
+    assert found, err.value.fix
+    nodes = int(found.group(1))
+    assert nodes > 1 and int(found.group(2)) == 2 * nodes
+    plan = plan_zoo(build, dataclasses.replace(req, nodes=nodes, memory_limit_bytes=budget)).plan
+    assert plan.world_size == 2 * nodes and plan.predicted.peak_memory_bytes <= req.margin.usable(budget)
+    assert "node(s)" not in tight.value.fix and "or add devices" in tight.value.fix
