@@ -36,7 +36,11 @@ def smallest_footprint(ctx: Context, req: PlanRequest) -> Choice:
     with the least simulated peak where the exact program runs (see osdp.search_batch), the plan that
     minimises the search's memory bound, or a uniform ZeRO-3 plan (every split factor, with and
     without checkpointing: splitting adds buffers, so more is not always less), whichever simulates lower."""
-    return min(footprint_candidates(ctx, req), key=lambda c: c.evaluation.peak_bytes)
+    return _least(footprint_candidates(ctx, req))
+
+
+def _least(plans: list[Choice]) -> Choice:
+    return min(plans, key=lambda c: c.evaluation.peak_bytes)
 
 
 def footprint_candidates(ctx: Context, req: PlanRequest) -> list[Choice]:
@@ -90,21 +94,22 @@ def _nodes_to_fit(ctx: Context, req: PlanRequest, plan: Choice) -> int | None:
     return hi
 
 
-def nodes_to_fit(ctx: Context, req: PlanRequest) -> int | None:
-    """The fewest nodes of req.workers_per_node devices of this size on which one of smallest_footprint's
-    plans fits, sharded over every device. Such a plan is in the planner's space there, so a plan fits
-    there (the planner may find one on fewer). None on a single device (nothing is sharded to regroup),
-    or if no pool of up to MAX_NODES_ADVISED nodes does (what a device holds alone exceeds its memory)."""
+def nodes_to_fit(ctx: Context, req: PlanRequest, plans: list[Choice]) -> int | None:
+    """The fewest nodes of req.workers_per_node devices of this size on which one of `plans` (those of
+    footprint_candidates) fits, sharded over every device. Such a plan is in the planner's space there,
+    so a plan fits there (the planner may find one on fewer). None on a single device (nothing is sharded
+    to regroup), or if no pool of up to MAX_NODES_ADVISED nodes does (what a device holds alone is too much)."""
     if req.world_size < 2:
         return None
-    found = [n for c in footprint_candidates(ctx, req) if (n := _nodes_to_fit(ctx, req, c)) is not None]
+    found = [n for c in plans if (n := _nodes_to_fit(ctx, req, c)) is not None]
     return min(found, default=None)
 
 
 def infeasible(ctx: Context, req: PlanRequest) -> NoPlanFits:
     """Why nothing fits, with the least budget that would fit a plan of this planner."""
     uniform = req.planner not in ("osdp", "manual")
-    low = uniform_footprint(ctx, req, Strategy(req.planner)) if uniform else smallest_footprint(ctx, req)
+    plans = [] if uniform else footprint_candidates(ctx, req)
+    low = uniform_footprint(ctx, req, Strategy(req.planner)) if uniform else _least(plans)
     need = low.evaluation.peak_bytes
     what = f"no {req.planner} plan fits at any batch size" if uniform else "no plan fits"
     advised = req.margin.budget_for(need) / GIB
@@ -114,7 +119,7 @@ def infeasible(ctx: Context, req: PlanRequest) -> NoPlanFits:
         if req.budget_by_preset
         else f"raise {req.budget_key} to {at_least}"
     )
-    nodes = None if uniform else nodes_to_fit(ctx, req)
+    nodes = nodes_to_fit(ctx, req, plans) if plans else None
     add = (
         f"or train on {nodes} node(s) of {req.workers_per_node} such devices ({nodes * req.workers_per_node} in all: "
         "a plan fits there, sharded over every device)"
