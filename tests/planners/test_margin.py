@@ -94,5 +94,7 @@ def test_a_preset_budget_no_plan_fits_is_named_by_the_preset_and_the_fix_does_no
     assert (err.field, err.value) == ("hardware.preset", "a100-40gb"), err
     assert "hardware.memory_per_device_gb" in err.fix and "raise hardware.preset" not in err.fix, err.fix
     assert f"devices of at least {err.advised_gb:.4f} GiB" in err.fix, err.fix
-    advised = dataclasses.replace(req, memory_limit_bytes=int(err.advised_gb * GIB) + 1, budget_key="x")
+    advised = dataclasses.replace(
+        req, memory_limit_bytes=int(err.advised_gb * GIB) + 1, budget_key="hardware.memory_per_device_gb"
+    )
     assert plan_zoo(ZooModel("llama", 2), advised, measure_on=None).plan.units
