@@ -87,7 +87,7 @@ def main() -> None:
         plan_file = Path(tmp) / "plans.json"
         plan_file.write_text(json.dumps({n: p.to_json() for n, p in plans.items()}))
         bare = run_ranks("fidelity:bare_rank", plans[names[0]].world_size, [str(plan_file)])
-    rows = [_row(name, plans[name], runs[name], bare[name]) for name in names]
+    rows = [_row(planner, plans[n], runs[n], bare[n]) for n, (planner, _) in zip(names, cells, strict=True)]
     _print(console, rows, args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
@@ -105,11 +105,11 @@ def main() -> None:
     console.print(f"written {args.out}")
 
 
-def _row(name: str, plan: Plan, runs: list[dict[str, float]], bare_s: float) -> dict[str, Any]:
+def _row(planner: str, plan: Plan, runs: list[dict[str, float]], bare_s: float) -> dict[str, Any]:
     pred = plan.predicted
     steps = [r["measured_step_time_s"] for r in runs]
     return {
-        "planner": name.split("@")[0],
+        "planner": planner,
         "micro_batch": plan.micro_batch_size,
         "strategies": sorted({f"{u.strategy.value}/{u.shard_group_size}" for u in plan.units}),
         "predicted_step_time_s": pred.step_time_s,
