@@ -5,7 +5,6 @@ import json
 from torch import nn
 
 from osdp_planners.choice import Choice
-from osdp_planners.compute_probe import EXTRAPOLATION_SAID, TIMING_BATCHES
 from osdp_planners.cpu_wait import BUSY_SHARE, BUSY_TIMES
 from osdp_planners.evaluate import Context
 from osdp_planners.explanation import Explanation, jsonable
@@ -49,11 +48,11 @@ def _times_from(ctx: Context, micro_batch_size: int) -> str:
             if waited > BUSY_SHARE
             else "measured"
         )
-        timed = TIMING_BATCHES[-1]
-        if micro_batch_size > EXTRAPOLATION_SAID * timed:
+        if ctx.measured.extrapolated_to(micro_batch_size):
+            timed = ctx.measured.batches
             said += (
                 f"{',' if said == 'measured' else ';'} {EXTRAPOLATED} on a line from micro batches "
-                f"{' and '.join(map(str, TIMING_BATCHES))} to {micro_batch_size}, {micro_batch_size / timed:g}x "
+                f"{' and '.join(map(str, timed))} to {micro_batch_size}, {micro_batch_size / timed[-1]:g}x "
                 "the largest timed: on CPU pools such steps ran up to 2.2x the prediction"
             )
         return said

@@ -28,8 +28,9 @@ from osdp_planners.units import ROOT, find_units
 
 TIMING_BATCHES = (1, 4)
 # a micro batch beyond this multiple of the largest timing batch is priced by the line far past what was
-# timed, and the plan says so: on the 2-core CPU, 2 workers at micro batch 32-128 stepped 1.2-2.2x the
-# prediction, against 1.0-1.7x at 4-8 (benchmarks/RESULTS.md, "Measured by other scripts")
+# timed: on the 2-core CPU, 2 workers at micro batch 32-128 stepped 1.2-2.2x the prediction, against
+# 1.0-1.7x at 4-8 (benchmarks/RESULTS.md, "Measured by other scripts"). A CPU pool's plan there is timed
+# again at its own micro batch (make_plan); a GPU's plan says that its times are extrapolated
 EXTRAPOLATION_SAID = 4
 REPEATS = 9
 PROBE_FRACTION = 0.5  # of a GPU's memory the states of a probe's model may take
@@ -50,13 +51,14 @@ class MeasuredTimes:
     cpu_wait_share: float | None = None  # of the probe's time its (busiest) thread waited for a CPU (cpu_wait)
     # unit -> seconds activation checkpointing adds to it (the recomputed forward and the hooks around it)
     recompute: dict[str, Linear1] = field(default_factory=dict)
+    batches: tuple[int, int] = TIMING_BATCHES  # the micro batches timed: the lines pass through them
 
     def fsdp_at(self, strategy: str, batch: int) -> tuple[float, float]:
         """FSDP2's seconds per parameter byte and per further unit at a micro batch: measured at both
         timing batches, a line between them and the nearer measurement outside them. Its host work
         (hooks, launches) hides behind more compute at a larger batch, so it is not a constant; beyond
         the measured batches a line would guess. Nothing where not measured."""
-        lo, hi = TIMING_BATCHES
+        lo, hi = self.batches
         at = min(max(batch, lo), hi)
         lines = (self.fsdp_s_per_byte.get(strategy), self.fsdp_s_per_unit.get(strategy))
         per_byte, per_unit = (max(line.at(at), 0.0) if line else 0.0 for line in lines)
@@ -77,7 +79,18 @@ class MeasuredTimes:
             d["optimizer_tensor_cost_s"],
             d.get("cpu_wait_share"),
             {u: Linear1(**line) for u, line in d["recompute"].items()},
+            (d["batches"][0], d["batches"][1]),
         )
+
+    def extrapolated_to(self, batch: int) -> bool:
+        """Whether `batch` lies so far beyond the batches timed that its times are a line carried there."""
+        return batch > EXTRAPOLATION_SAID * self.batches[-1]
+
+
+def batches_for(batch: int) -> tuple[int, int]:
+    """The micro batches to time a plan at `batch` with: the largest usual one and `batch` itself, so
+    that the line the search prices micro batches by runs through both ends of what it may choose."""
+    return (TIMING_BATCHES[-1], batch)
 
 
 def device_memory(device: torch.device) -> int | None:
@@ -156,10 +169,11 @@ def measure_totals(
     precision: str = "fp32",
     optimizer: str = "adamw",
     compile: bool = False,
+    batches: tuple[int, int] = TIMING_BATCHES,
 ) -> dict[str, Any]:
-    """Whole-model medians: forward and backward seconds per timing batch, what checkpointing every unit
-    adds to them, optimizer seconds per parameter, in the training `precision`, with the runtime's
-    `optimizer` and, under `compile`, compiled units (the warm-up round pays the compilation).
+    """Whole-model medians: forward and backward seconds per timing batch (`batches`), what checkpointing
+    every unit adds to them, optimizer seconds per parameter, in the training `precision`, with the
+    runtime's `optimizer` and, under `compile`, compiled units (the warm-up round pays the compilation).
 
     Recomputation costs more than the forward it repeats where per-op host work counts (CPU: 1.5-2x
     on the tiny Llama), so it is timed: the passes are run again with every unit checkpointed as the
@@ -172,10 +186,10 @@ def measure_totals(
     units = [p for u in find_units(compute, seq_len) if u.name != ROOT for p in u.modules]
     if compile:
         compile_units(compute, units)
-    inputs = {b: torch.randint(0, vocab_size, (b, seq_len), device=device) for b in TIMING_BATCHES}
+    inputs = {b: torch.randint(0, vocab_size, (b, seq_len), device=device) for b in batches}
 
     def medians(live: nn.Module) -> dict[int, tuple[float, float]]:
-        runs: dict[int, list[list[float]]] = {b: [] for b in TIMING_BATCHES}
+        runs: dict[int, list[list[float]]] = {b: [] for b in batches}
         for i in range(REPEATS + 1):
             for batch, x in inputs.items():
                 barrier()
@@ -193,7 +207,7 @@ def measure_totals(
     totals: dict[str, Any] = {
         "forward": {str(b): f for b, (f, _) in plain.items()},
         "backward": {str(b): bw for b, (_, bw) in plain.items()},
-        "recompute": {str(b): sum(recomputed[b]) - sum(plain[b]) for b in TIMING_BATCHES},
+        "recompute": {str(b): sum(recomputed[b]) - sum(plain[b]) for b in batches},
     }
     del compute
     opt = make_optimizer(model.parameters(), optimizer, device.type)
@@ -207,9 +221,10 @@ def share_by_flops(totals: dict[str, Any], flops: dict[str, float]) -> MeasuredT
     """Whole-pass times shared out by FLOPs (`flops`: unit -> forward FLOPs).
 
     Timings of single small units are noise on a busy CPU; the whole pass is stable, and a unit's
-    share of it follows its share of the FLOPs. Fits are clamped to be non-negative.
+    share of it follows its share of the FLOPs. Fits are clamped to be non-negative. The lines run
+    through the batches `totals` timed.
     """
-    b1, b2 = TIMING_BATCHES
+    b1, b2 = sorted(int(b) for b in totals["forward"])
     whole = sum(flops.values()) or 1.0
 
     def fit(kind: str) -> Linear1:
@@ -224,6 +239,7 @@ def share_by_flops(totals: dict[str, Any], flops: dict[str, float]) -> MeasuredT
         {u: Linear1(bwd.a * f / whole, bwd.b * f / whole) for u, f in flops.items()},
         totals["optimizer_s_per_param"],
         recompute={u: Linear1(rec.a * f / share, rec.b * f / share) for u, f in checkpointable.items()},
+        batches=(b1, b2),
     )
 
 

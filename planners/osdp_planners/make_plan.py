@@ -22,7 +22,14 @@ from osdp_planners.assemble import explain, to_plan
 from osdp_planners.block_probe import measure_blocks
 from osdp_planners.choice import Choice
 from osdp_planners.comm_probe import CommProfile, cached_comm
-from osdp_planners.compute_probe import MeasuredTimes, device_memory, measure_times, probe_fits
+from osdp_planners.compute_probe import (
+    TIMING_BATCHES,
+    MeasuredTimes,
+    batches_for,
+    device_memory,
+    measure_times,
+    probe_fits,
+)
 from osdp_planners.cpu_wait import WaitMeter, quiet
 from osdp_planners.disk_cache import PICKLE, cached
 from osdp_planners.errors import UserError, UserErrors
@@ -98,7 +105,7 @@ def _profile(build: Builder, req: PlanRequest, structure: str, dtype: torch.dtyp
     return _profiles[key]
 
 
-DEVICE_CACHE_VERSION = 8  # of a cached device measurement (7: block probe's loss over the logits; 8: recomputation)
+DEVICE_CACHE_VERSION = 9  # of a cached device measurement (8: recomputation; 9: the batches timed)
 
 
 def _whole_model_fits(build: Builder, device: torch.device) -> bool:
@@ -175,37 +182,44 @@ def build_context(build: Builder, req: PlanRequest, measure_on: str | None) -> C
     the run's profile.json artifact.
     """
     dtype = compute_dtype(req.precision)
-    compute_bytes = 2 if req.precision == "bf16-mixed" else 4
     structure = structure_hash(build("meta"))
     profile = _profile(build, req, structure, dtype)
-    measured: MeasuredTimes | None = None
-    comm: CommProfile | None = None
-    if measure_on is not None:
-        flops = {u.name: profile.forward_flops(u.name, 1) for u in profile.units}
-        if measure_on == "cpu":
-            ranks = min(req.world_size, req.workers_per_node)
-            key = f"{req.model_label}|{structure}|{dtype}"
-            train = Training(req.precision, req.optimizer, req.compile)
-            measured, overheads = measure_on_ranks(build, req.seq_len, req.token_range, flops, ranks, key, train)
-            if req.world_size > 1:
-                comm = cached_comm(req.world_size)
-                if overheads is not None:
-                    probes = Topology(req.world_size, req.workers_per_node, req.device, comm)
-                    comm = calibrate(comm, overheads, profile, probes, compute_bytes, measured.optimizer_s_per_param)
-        else:
-            device = torch.device(measure_on)
-            capacity = device_memory(device)
-            if capacity is not None:
-                check_capacity(req, capacity, torch.cuda.get_device_name(device))
-            measured = _time_on_device(build, req, device, flops, structure)
-    return Context(
+    ctx = Context(
         profile,
-        Topology(req.world_size, req.workers_per_node, req.device, comm),
-        measured,
-        compute_bytes,
+        Topology(req.world_size, req.workers_per_node, req.device),
+        None,
+        2 if req.precision == "bf16-mixed" else 4,
         req.optimizer,
         req.usable_memory_bytes,
     )
+    if measure_on is None:
+        return ctx
+    if measure_on == "cpu":
+        return timed_on_cpu(build, req, ctx, TIMING_BATCHES)
+    device = torch.device(measure_on)
+    capacity = device_memory(device)
+    if capacity is not None:
+        check_capacity(req, capacity, torch.cuda.get_device_name(device))
+    flops = {u.name: profile.forward_flops(u.name, 1) for u in profile.units}
+    return dataclasses.replace(ctx, measured=_time_on_device(build, req, device, flops, structure))
+
+
+def timed_on_cpu(build: Builder, req: PlanRequest, ctx: Context, batches: tuple[int, int]) -> Context:
+    """`ctx` with the model timed at the micro `batches` on as many concurrent CPU ranks as a node runs
+    workers, and, for a pool of several, gloo's and FSDP2's costs calibrated to this model."""
+    profile = ctx.profile
+    flops = {u.name: profile.forward_flops(u.name, 1) for u in profile.units}
+    ranks = min(req.world_size, req.workers_per_node)
+    key = f"{req.model_label}|{structure_hash(build('meta'))}|{compute_dtype(req.precision)}"
+    train = Training(req.precision, req.optimizer, req.compile)
+    measured, overheads = measure_on_ranks(build, req.seq_len, req.token_range, flops, ranks, key, train, batches)
+    comm: CommProfile | None = None
+    if req.world_size > 1:
+        comm = cached_comm(req.world_size)
+        if overheads is not None:
+            probes = dataclasses.replace(ctx.topo, measured=comm)
+            comm = calibrate(comm, overheads, profile, probes, ctx.compute_bytes, measured.optimizer_s_per_param)
+    return dataclasses.replace(ctx, measured=measured, topo=dataclasses.replace(ctx.topo, measured=comm))
 
 
 def read_plan_file(path: str, model: nn.Module, world_size: int) -> Plan:
@@ -287,7 +301,16 @@ def _planning_failed(req: PlanRequest, exc: Exception) -> UserError:
 
 
 def _make_plan(build: Builder, req: PlanRequest, measure_on: str | None) -> PlanResult:
-    return plan_in(build, req, build_context(build, req, measure_on))
+    """The plan, searched again on a CPU pool where it chose a micro batch far beyond the batches timed:
+    the model is timed at that batch too, so that the search prices it from a measurement, not from
+    a line carried there (on a GPU the probe at a large batch could run out of memory; its plan says
+    that its times are extrapolated)."""
+    first = plan_in(build, req, build_context(build, req, measure_on))
+    micro = first.plan.micro_batch_size
+    measured = first.context.measured
+    if measure_on != "cpu" or measured is None or not measured.extrapolated_to(micro):
+        return first
+    return plan_in(build, req, timed_on_cpu(build, req, first.context, batches_for(micro)))
 
 
 def plan_in(build: Builder, req: PlanRequest, ctx: Context) -> PlanResult:

@@ -46,7 +46,7 @@ SCALE_RANGE = (0.5, 4.0)  # a calibration outside this is noise, not the model
 class ModelOverheads:
     """Seconds FSDP2 adds to this model on the pool's ranks, per uniform strategy."""
 
-    step_added_s: dict[str, float]  # to forward+backward at the larger timing batch
+    step_added_s: dict[str, float]  # to forward+backward at the larger of the batches timed
     optimizer_added_s: dict[str, float]  # to the AdamW step
 
 
@@ -60,12 +60,18 @@ class Training:
 
 
 def _overheads(
-    plain: nn.Module, build: Callable[[str], nn.Module], seq_len: int, vocab_size: int, world: int, train: Training
+    plain: nn.Module,
+    build: Callable[[str], nn.Module],
+    seq_len: int,
+    vocab_size: int,
+    world: int,
+    train: Training,
+    batch: int,
 ) -> dict[str, Any]:
-    """What each uniform strategy adds to `plain` (the model as timed, unsharded), both in the training
-    precision: the casts of FSDP2's mixed-precision policy are among its costs."""
+    """What each uniform strategy adds to `plain` (the model as timed, unsharded) at micro batch `batch`,
+    both in the training precision: the casts of FSDP2's mixed-precision policy are among its costs."""
     meshes = probe_meshes(world)
-    x = torch.randint(0, vocab_size, (TIMING_BATCHES[-1], seq_len))
+    x = torch.randint(0, vocab_size, (batch, seq_len))
     compute = compute_copy(plain, train.precision)
     out: dict[str, dict[str, float]] = {"step_added_s": {}, "optimizer_added_s": {}}
     for strategy in STRATEGIES:
@@ -83,15 +89,15 @@ def measure_rank(_rank: int, world: int, args: list[str]) -> dict[str, Any]:
     import cloudpickle  # here, not at the top: a GPU node checked before Ray is installed lacks it
 
     with open(args[0], "rb") as f:
-        build, seq_len, vocab_size, train = cloudpickle.load(f)
+        build, seq_len, vocab_size, train, batches = cloudpickle.load(f)
     torch.manual_seed(0)
     meter = WaitMeter()
     model = build("cpu")
     cpu = torch.device("cpu")
     totals = measure_totals(
-        model, seq_len, vocab_size, cpu, dist.barrier, slowest, train.precision, train.optimizer, train.compile
+        model, seq_len, vocab_size, cpu, dist.barrier, slowest, train.precision, train.optimizer, train.compile, batches
     )
-    overheads = _overheads(model, build, seq_len, vocab_size, world, train) if world > 1 else None
+    overheads = _overheads(model, build, seq_len, vocab_size, world, train, batches[-1]) if world > 1 else None
     return {"totals": totals, "overheads": overheads, "cpu_wait_share": busiest_wait(meter, world)}
 
 
@@ -103,16 +109,17 @@ def measure_on_ranks(
     ranks: int,
     model_key: str,
     train: Training | None = None,
+    batches: tuple[int, int] = TIMING_BATCHES,
 ) -> tuple[MeasuredTimes, ModelOverheads | None]:
-    """Time the model on `ranks` concurrent CPU processes as the workers `train` it; cached per model
-    (`model_key`), shape, training settings and ranks."""
+    """Time the model on `ranks` concurrent CPU processes as the workers `train` it, at the micro
+    `batches`; cached per model (`model_key`), shape, training settings, batches and ranks."""
     import cloudpickle  # see measure_rank
 
     train = train or Training()
-    shape = f"{model_key}|{seq_len}|{vocab_size}|{TIMING_BATCHES}|{train.precision}|{train.optimizer}|{train.compile}"
+    shape = f"{model_key}|{seq_len}|{vocab_size}|{batches}|{train.precision}|{train.optimizer}|{train.compile}"
     key = hashlib.sha256(shape.encode()).hexdigest()[:16]
     with tempfile.NamedTemporaryFile(suffix=".pkl") as f:
-        cloudpickle.dump((build, seq_len, vocab_size, train), f)
+        cloudpickle.dump((build, seq_len, vocab_size, train, batches), f)
         f.flush()
         result = cached(
             f"model-v{VERSION}",

@@ -17,7 +17,14 @@ from torch import nn
 from helpers import REPO, ZooModel, context, plan_zoo, zoo_request
 from osdp_planners import block_probe, compute_probe, make_plan
 from osdp_planners.block_probe import _capture, _inputs, _materialise, measure_blocks
-from osdp_planners.compute_probe import TIMING_BATCHES, MeasuredTimes, compute_copy, measure_totals, share_by_flops
+from osdp_planners.compute_probe import (
+    TIMING_BATCHES,
+    MeasuredTimes,
+    batches_for,
+    compute_copy,
+    measure_totals,
+    share_by_flops,
+)
 from osdp_planners.hardware import PRESETS, get_preset
 from osdp_planners.mfu import mfu, model_shape
 from osdp_planners.options import Option
@@ -95,6 +102,26 @@ def test_recomputation_is_shared_among_the_units_that_can_be_checkpointed() -> N
     assert set(times.recompute) == {"a", "b"}, "the root is never checkpointed"
     assert times.recompute["a"].at(4) == pytest.approx(3e-3) and times.recompute["b"].at(4) == pytest.approx(9e-3)
     assert sum(line.at(4) for line in times.forward.values()) == pytest.approx(4e-3)
+
+
+def test_the_lines_run_through_the_batches_timed_and_past_four_times_the_larger_are_extrapolated() -> None:
+    """A plan's own micro batch is timed beside the usual largest (make_plan on CPU pools): the probe
+    times the batches it is given, the lines pass through both, and they travel through the cache."""
+    batches = batches_for(128)
+    assert batches == (TIMING_BATCHES[-1], 128)
+    timed = measure_totals(_Blocks([]), 4, 8, torch.device("cpu"), batches=batches)
+    assert set(timed["forward"]) == set(timed["recompute"]) == {"4", "128"}
+    totals = {
+        kind: {str(b): 1e-3 + b * ms * 1e-4 for b in batches}
+        for kind, ms in (("forward", 1.0), ("backward", 2.0), ("recompute", 3.0))
+    } | {"optimizer_s_per_param": 1e-9}
+    times = share_by_flops(totals, {"a": 1.0, "b": 3.0, ROOT: 4.0})
+    assert times.batches == batches
+    for b in batches:
+        assert sum(line.at(b) for line in times.forward.values()) == pytest.approx(totals["forward"][str(b)])
+        assert sum(line.at(b) for line in times.backward.values()) == pytest.approx(totals["backward"][str(b)])
+    assert not times.extrapolated_to(4 * 128) and times.extrapolated_to(4 * 128 + 1)
+    assert MeasuredTimes.from_dict(json.loads(json.dumps(times.to_dict()))) == times
 
 
 def test_mixed_precision_master_weights_get_fp32_gradients_for_the_optimizer() -> None:
