@@ -120,13 +120,19 @@ def infeasible(ctx: Context, req: PlanRequest) -> NoPlanFits:
         else f"raise {req.budget_key} to {at_least}"
     )
     nodes = nodes_to_fit(ctx, req, plans) if plans else None
-    add = (
-        f"or train on {nodes} node(s) of {req.workers_per_node} such devices ({nodes * req.workers_per_node} in all: "
-        "a plan fits there, sharded over every device)"
-        if nodes is not None
-        else "or add devices"
-    )
-    fix = f"{more}; {add}, or shorten data.seq_len"
+    if nodes is not None:
+        devices = nodes * req.workers_per_node
+        fix = (
+            f"{more}; or train on {nodes} node(s) of {req.workers_per_node} such devices ({devices} in all: "
+            "a plan fits there, sharded over every device), or shorten data.seq_len"
+        )
+    elif plans and req.world_size > 1:
+        fix = (
+            f"{more}, or shorten data.seq_len; more devices will not do: sharded over {MAX_NODES_ADVISED} nodes, "
+            "what each device holds of its own (its activations, the units it gathers) is still over the budget"
+        )
+    else:
+        fix = f"{more}; or add devices, or shorten data.seq_len"
     if uniform:
         mixed = req.margin.budget_for(smallest_footprint(ctx, req).evaluation.peak_bytes) / GIB
         fix += f"; or use planner.name=osdp, which mixes strategies and fits from {mixed:.4f} GiB"

@@ -485,4 +485,5 @@ def test_no_plan_fits_advises_a_pool_of_whole_nodes_on_which_one_does() -> None:
     assert nodes > 1 and int(found.group(2)) == 2 * nodes
     plan = plan_zoo(build, dataclasses.replace(req, nodes=nodes, memory_limit_bytes=budget)).plan
     assert plan.world_size == 2 * nodes and plan.predicted.peak_memory_bytes <= req.margin.usable(budget)
-    assert "node(s)" not in tight.value.fix and "or add devices" in tight.value.fix
+    assert "node(s)" not in tight.value.fix and "add devices" not in tight.value.fix
+    assert "more devices will not do: sharded over 1024 nodes" in tight.value.fix, tight.value.fix
