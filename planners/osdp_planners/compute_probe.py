@@ -89,7 +89,8 @@ class MeasuredTimes:
 
 def batches_for(batch: int) -> tuple[int, int]:
     """The micro batches to time a plan at `batch` with: the largest usual one and `batch` itself, so
-    that the line the search prices micro batches by runs through both ends of what it may choose."""
+    that the search run again prices `batch` as measured and anything between the two on a line
+    through measurements on both sides."""
     return (TIMING_BATCHES[-1], batch)
 
 
@@ -221,15 +222,19 @@ def share_by_flops(totals: dict[str, Any], flops: dict[str, float]) -> MeasuredT
     """Whole-pass times shared out by FLOPs (`flops`: unit -> forward FLOPs).
 
     Timings of single small units are noise on a busy CPU; the whole pass is stable, and a unit's
-    share of it follows its share of the FLOPs. Fits are clamped to be non-negative. The lines run
-    through the batches `totals` timed.
+    share of it follows its share of the FLOPs. The lines run through the batches `totals` timed,
+    clamped to be non-negative: where the line through them would start below zero, it runs from zero
+    through the larger batch, the one a plan there is priced at.
     """
     b1, b2 = sorted(int(b) for b in totals["forward"])
     whole = sum(flops.values()) or 1.0
 
     def fit(kind: str) -> Linear1:
-        line = Linear1.fit(totals[kind][str(b1)], totals[kind][str(b2)], b1, b2)
-        return Linear1(max(line.a, 0.0), max(line.b, 0.0))
+        at_larger = totals[kind][str(b2)]
+        line = Linear1.fit(totals[kind][str(b1)], at_larger, b1, b2)
+        if line.a < 0:  # steeper than proportional (caches overflow): the larger batch is priced as timed
+            return Linear1(0.0, max(at_larger, 0.0) / b2)
+        return Linear1(line.a, max(line.b, 0.0))
 
     fwd, bwd, rec = fit("forward"), fit("backward"), fit("recompute")
     checkpointable = {u: f for u, f in flops.items() if u != ROOT}  # the root is never checkpointed

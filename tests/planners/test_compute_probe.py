@@ -122,6 +122,11 @@ def test_the_lines_run_through_the_batches_timed_and_past_four_times_the_larger_
         assert sum(line.at(b) for line in times.backward.values()) == pytest.approx(totals["backward"][str(b)])
     assert not times.extrapolated_to(4 * 128) and times.extrapolated_to(4 * 128 + 1)
     assert MeasuredTimes.from_dict(json.loads(json.dumps(times.to_dict()))) == times
+    # steeper than proportional (on CPU the activations leave the caches): never below zero at any batch,
+    # and the larger batch, where the plan that asked for it runs, still as timed
+    steep = share_by_flops(totals | {"forward": {"4": 1e-3, "128": 0.1}}, {"a": 1.0, ROOT: 1.0})
+    assert all(line.a >= 0 and line.b >= 0 for line in steep.forward.values())
+    assert sum(line.at(128) for line in steep.forward.values()) == pytest.approx(0.1)
 
 
 def test_mixed_precision_master_weights_get_fp32_gradients_for_the_optimizer() -> None:
