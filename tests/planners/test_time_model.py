@@ -13,7 +13,7 @@ from osdp_planners.compute_probe import TIMING_BATCHES, MeasuredTimes
 from osdp_planners.hardware import get_preset
 from osdp_planners.model_probe import ModelOverheads, calibrate, measure_on_ranks
 from osdp_planners.options import Option
-from osdp_planners.plan import Strategy
+from osdp_planners.plan import EXTRAPOLATED, Strategy
 from osdp_planners.profile import Linear1
 from osdp_planners.time_model import Topology, comm_seconds, fsdp_units, optimizer_seconds, unit_time
 
@@ -163,7 +163,8 @@ def test_a_cpu_plan_far_beyond_the_timed_batches_is_timed_again_at_its_own_micro
     far = plan_zoo(build, zoo_request("llama", 1, micro_batch=32), "cpu")
     measured = far.context.measured
     assert measured is not None and measured.batches == (TIMING_BATCHES[-1], 32)
-    assert far.plan.predicted.times_from == "measured" and far.plan.micro_batch_size == 32
+    said = far.plan.predicted.times_from  # "measured", or on a loaded host "measured on a busy host: ..."
+    assert said.startswith("measured") and EXTRAPOLATED not in said and far.plan.micro_batch_size == 32, said
     probes = [json.loads(f.read_text()) for f in tmp_path.glob("model-*-r1.json")]
     timed = {tuple(sorted(int(b) for b in p["totals"]["forward"])): p["totals"] for p in probes}
     assert set(timed) == {TIMING_BATCHES, (4, 32)}
