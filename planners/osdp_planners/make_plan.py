@@ -195,7 +195,7 @@ def build_context(build: Builder, req: PlanRequest, measure_on: str | None) -> C
     if measure_on is None:
         return ctx
     if measure_on == "cpu":
-        return timed_on_cpu(build, req, ctx, TIMING_BATCHES)
+        return timed_on_cpu(build, req, ctx, structure, TIMING_BATCHES)
     device = torch.device(measure_on)
     capacity = device_memory(device)
     if capacity is not None:
@@ -204,13 +204,13 @@ def build_context(build: Builder, req: PlanRequest, measure_on: str | None) -> C
     return dataclasses.replace(ctx, measured=_time_on_device(build, req, device, flops, structure))
 
 
-def timed_on_cpu(build: Builder, req: PlanRequest, ctx: Context, batches: tuple[int, int]) -> Context:
-    """`ctx` with the model timed at the micro `batches` on as many concurrent CPU ranks as a node runs
-    workers, and, for a pool of several, gloo's and FSDP2's costs calibrated to this model."""
+def timed_on_cpu(build: Builder, req: PlanRequest, ctx: Context, structure: str, batches: tuple[int, int]) -> Context:
+    """`ctx` with the model (of parameter `structure`) timed at the micro `batches` on as many concurrent
+    CPU ranks as a node runs workers, and, for a pool of several, gloo's and FSDP2's costs calibrated to it."""
     profile = ctx.profile
     flops = {u.name: profile.forward_flops(u.name, 1) for u in profile.units}
     ranks = min(req.world_size, req.workers_per_node)
-    key = f"{req.model_label}|{structure_hash(build('meta'))}|{compute_dtype(req.precision)}"
+    key = f"{req.model_label}|{structure}|{compute_dtype(req.precision)}"
     train = Training(req.precision, req.optimizer, req.compile)
     measured, overheads = measure_on_ranks(build, req.seq_len, req.token_range, flops, ranks, key, train, batches)
     comm: CommProfile | None = None
@@ -310,7 +310,7 @@ def _make_plan(build: Builder, req: PlanRequest, measure_on: str | None) -> Plan
     measured = first.context.measured
     if measure_on != "cpu" or measured is None or not measured.extrapolated_to(micro):
         return first
-    return plan_in(build, req, timed_on_cpu(build, req, first.context, batches_for(micro)))
+    return plan_in(build, req, timed_on_cpu(build, req, first.context, first.plan.structure_hash, batches_for(micro)))
 
 
 def plan_in(build: Builder, req: PlanRequest, ctx: Context) -> PlanResult:
