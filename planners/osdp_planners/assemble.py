@@ -53,7 +53,8 @@ def _times_from(ctx: Context, micro_batch_size: int) -> str:
             said += (
                 f"{',' if said == 'measured' else ';'} {EXTRAPOLATED} on a line from micro batches "
                 f"{' and '.join(map(str, timed))} to {micro_batch_size}, {micro_batch_size / timed[-1]:g}x "
-                "the largest timed: on CPU pools such steps ran up to 2.2x the prediction"
+                "the largest timed: on CPU pools, before they were timed at their own batch, such steps ran up to "
+                "2.2x the prediction"
             )
         return said
     device = ctx.topo.device
