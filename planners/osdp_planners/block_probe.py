@@ -178,10 +178,11 @@ def measure_blocks(
     optimizer: str = "adamw",
     world: int = 1,
     compile: bool = False,
+    batches: tuple[int, int] = TIMING_BATCHES,
 ) -> MeasuredTimes:
-    """Per-unit forward and backward lines, the optimizer's seconds per parameter and, on a GPU, what
-    FSDP2 adds at each timing batch for a rank of `world` (fsdp_probe, on a chain of copies of one
-    layer), block by block."""
+    """Per-unit forward and backward lines through the micro `batches`, the optimizer's seconds per
+    parameter and, on a GPU, what FSDP2 adds at each of them for a rank of `world` (fsdp_probe, on a
+    chain of copies of one layer), block by block."""
     meta = build("meta")
     dtype = compute_dtype(precision)
     units = [u for u in find_units(meta, seq_len) if u.name != ROOT]
@@ -193,7 +194,7 @@ def measure_blocks(
     largest = max(paths, key=sizes.__getitem__)
     layer = fsdp_layer(meta, units)
     probe_calls: dict[int, list[Call]] = {}
-    for batch in TIMING_BATCHES:
+    for batch in batches:
         calls, width = _capture(meta, paths, batch, seq_len, dtype)
         seconds = {}
         for path in paths:
@@ -214,7 +215,7 @@ def measure_blocks(
         targets = torch.randint(0, vocab_size, (batch, seq_len), device=device)
         seconds["<loss>"] = (*_time_loss(logits, targets, device), 0.0)  # the loss is never checkpointed
         per_batch[batch] = seconds
-    b1, b2 = TIMING_BATCHES
+    b1, b2 = batches
 
     def line(unit_paths: list[str], kind: int) -> Linear1:
         at = [sum(per_batch[b][p][kind] for p in unit_paths) for b in (b1, b2)]
@@ -225,7 +226,8 @@ def measure_blocks(
     forward = {name: line(ps, 0) for name, ps in charged.items()} | {ROOT: Linear1(0.0, 0.0)}
     backward = {name: line(ps, 1) for name, ps in charged.items()} | {ROOT: Linear1(0.0, 0.0)}
     recompute = {u.name: line(list(u.modules), 2) for u in units}
-    times = MeasuredTimes(forward, backward, _optimizer_rate(modules[largest], device, optimizer), recompute=recompute)
+    rate = _optimizer_rate(modules[largest], device, optimizer)
+    times = MeasuredTimes(forward, backward, rate, recompute=recompute, batches=batches)
     if device.type != "cuda" or world == 1:  # a world of one runs no FSDP2
         return times
     return charge(times, _fsdp_added(meta, layer, probe_calls, device, precision, world, optimizer))
@@ -269,13 +271,13 @@ def _fsdp_added(
     world: int,
     optimizer: str,
 ) -> dict[str, Added]:
-    """What FSDP2 adds to a chain of copies of `layer`'s units at each timing batch (`calls`: the arguments
+    """What FSDP2 adds to a chain of copies of `layer`'s units at each batch timed (`calls`: the arguments
     of its called modules there), for rank 0 of `world`; per byte it is the model's (the inputs are
     activations: any integer ids among them only need to index a vocabulary of one)."""
     called = _called(layer)
     layer_modules = nn.ModuleList(meta.get_submodule(p) for p in called)  # one copy keeps their ties
     length = chain_length(sum(p.numel() for p in layer_modules.parameters()), device_memory(device))
-    inputs = {b: [_inputs(c, device, compute_dtype(precision), 1) for c in calls[b]] for b in TIMING_BATCHES}
+    inputs = {b: [_inputs(c, device, compute_dtype(precision), 1) for c in cs] for b, cs in calls.items()}
 
     def copies(dtype: torch.dtype) -> Chain:
         made = [
@@ -300,7 +302,7 @@ def _fsdp_added(
         torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
 
     plain = copies(compute_dtype(precision))
-    plain_s = {b: median_pass(partial(run, plain, b), device) for b in TIMING_BATCHES}
+    plain_s = {b: median_pass(partial(run, plain, b), device) for b in calls}
     del plain
     return added_costs(sharded, run, device, world, plain_s, optimizer)
 

@@ -29,8 +29,9 @@ from osdp_planners.units import ROOT, find_units
 TIMING_BATCHES = (1, 4)
 # a micro batch beyond this multiple of the largest timing batch is priced by the line far past what was
 # timed: on the 2-core CPU, 2 workers at micro batch 32-128 stepped 1.2-2.2x the prediction, against
-# 1.0-1.7x at 4-8 (benchmarks/RESULTS.md, "Measured by other scripts"). A CPU pool's plan there is timed
-# again at its own micro batch (make_plan); a GPU's plan says that its times are extrapolated
+# 1.0-1.7x at 4-8 (benchmarks/RESULTS.md, "Measured by other scripts"). A plan there is timed again at
+# its own micro batch (make_plan); where a GPU's probe runs out of memory at it, the plan says that its
+# times are extrapolated
 EXTRAPOLATION_SAID = 4
 REPEATS = 9
 PROBE_FRACTION = 0.5  # of a GPU's memory the states of a probe's model may take
@@ -258,11 +259,19 @@ def measure_times(
     optimizer: str = "adamw",
     world: int = 1,
     compile: bool = False,
+    batches: tuple[int, int] = TIMING_BATCHES,
 ) -> MeasuredTimes:
-    """Time the model in this process on `device`, in the training precision, with its optimizer and
-    compilation; on a GPU also what FSDP2 adds for a rank of `world` (fsdp_probe)."""
+    """Time the model in this process on `device` at the micro `batches`, in the training precision, with
+    its optimizer and compilation; on a GPU also what FSDP2 adds for a rank of `world` (fsdp_probe)."""
     totals = measure_totals(
-        build(str(device)), seq_len, vocab_size, device, precision=precision, optimizer=optimizer, compile=compile
+        build(str(device)),
+        seq_len,
+        vocab_size,
+        device,
+        precision=precision,
+        optimizer=optimizer,
+        compile=compile,
+        batches=batches,
     )  # the model is freed before FSDP2's probe builds its sharded copies
     times = share_by_flops(totals, flops)
     if device.type != "cuda" or world == 1:  # a world of one runs no FSDP2 (runtime.apply)
@@ -270,5 +279,5 @@ def measure_times(
     from osdp_planners.fsdp_probe import charge, measure_fsdp_costs  # it imports this module
 
     torch.cuda.empty_cache()
-    plain_s = {b: totals["forward"][str(b)] + totals["backward"][str(b)] for b in TIMING_BATCHES}
+    plain_s = {b: totals["forward"][str(b)] + totals["backward"][str(b)] for b in batches}
     return charge(times, measure_fsdp_costs(build, seq_len, vocab_size, device, world, precision, plain_s, optimizer))

@@ -32,7 +32,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from osdp_planners.comm_probe import STRATEGIES, probe_meshes, shard_uniform
-from osdp_planners.compute_probe import REPEATS, TIMING_BATCHES, MeasuredTimes, forward_loss, median_step, sync
+from osdp_planners.compute_probe import REPEATS, MeasuredTimes, forward_loss, median_step, sync
 from osdp_planners.profile import Linear1
 from osdp_planners.runtime import make_optimizer
 from osdp_planners.torch_private import register_fake_backend
@@ -105,25 +105,25 @@ def _fsdp_modules(module: nn.Module) -> int:
 def added_costs(
     sharded: Sharded, run: Run, device: torch.device, world: int, plain_s: dict[int, float], optimizer: str
 ) -> dict[str, Added]:
-    """Seconds each uniform strategy adds to `run` over `plain_s` at each timing batch, for rank 0 of
-    `world`, and per further unit when `sharded` (which builds the module, fp32 master weights, under a
+    """Seconds each uniform strategy adds to `run` over `plain_s` at each batch it was timed at, for rank 0
+    of `world`, and per further unit when `sharded` (which builds the module, fp32 master weights, under a
     strategy's meshes) makes finer units; the runtime's `optimizer` steps the gradients the runs left."""
-    costs = {}
+    costs, batches = {}, sorted(plain_s)
     with _fake_rank(world, device) as meshes:
         for strategy in STRATEGIES:
             fine = sharded(strategy, meshes, True)
-            fine_s = {b: median_pass(partial(run, fine, b), device) for b in TIMING_BATCHES}
+            fine_s = {b: median_pass(partial(run, fine, b), device) for b in batches}
             fine_units = _fsdp_modules(fine)
             del fine
             module = sharded(strategy, meshes, False)
             params = list(module.parameters())
             nbytes = sum(p.numel() * p.element_size() for p in params)  # a DTensor's numel is global
-            whole_s = {b: median_pass(partial(run, module, b), device) for b in TIMING_BATCHES}
+            whole_s = {b: median_pass(partial(run, module, b), device) for b in batches}
             further = fine_units - _fsdp_modules(module)
             costs[strategy] = Added(
-                {b: max(whole_s[b] - plain_s[b], 0.0) for b in TIMING_BATCHES},
+                {b: max(whole_s[b] - plain_s[b], 0.0) for b in batches},
                 nbytes,
-                {b: max(fine_s[b] - whole_s[b], 0.0) / further if further else 0.0 for b in TIMING_BATCHES},
+                {b: max(fine_s[b] - whole_s[b], 0.0) / further if further else 0.0 for b in batches},
                 median_step(make_optimizer(params, optimizer, device.type), device),
                 len(params),
                 sum(_local_numel(p) for p in params),
@@ -136,9 +136,9 @@ def added_costs(
 
 def charge(times: MeasuredTimes, added: dict[str, Added]) -> MeasuredTimes:
     """`times` with what FSDP2 adds: each strategy's seconds per byte and per further unit, lines through
-    its two timing batches, and what each of its DTensors adds to the optimizer step over `times`' rate
+    the two batches `times` was timed at, and what each of its DTensors adds to the optimizer step over `times`' rate
     per parameter."""
-    b1, b2 = TIMING_BATCHES
+    b1, b2 = times.batches
     rate = times.optimizer_s_per_param
     return dataclasses.replace(
         times,
@@ -163,8 +163,8 @@ def measure_fsdp_costs(
     optimizer: str,
 ) -> dict[str, Added]:
     """The whole model under each uniform strategy against `plain_s` (its plain forward+backward at each
-    timing batch)."""
-    inputs = {b: torch.randint(0, vocab_size, (b, seq_len), device=device) for b in TIMING_BATCHES}
+    batch timed)."""
+    inputs = {b: torch.randint(0, vocab_size, (b, seq_len), device=device) for b in plain_s}
 
     def sharded(strategy: str, meshes: dict[str, DeviceMesh], fine: bool) -> nn.Module:
         model = build(str(device))

@@ -114,16 +114,21 @@ def _whole_model_fits(build: Builder, device: torch.device) -> bool:
 
 
 def _time_on_device(
-    build: Builder, req: PlanRequest, device: torch.device, flops: dict[str, float], structure: str
+    build: Builder,
+    req: PlanRequest,
+    device: torch.device,
+    flops: dict[str, float],
+    structure: str,
+    batches: tuple[int, int] = TIMING_BATCHES,
 ) -> MeasuredTimes:
-    """The model timed on this GPU, whole where it fits, else block by block; cached on disk per model,
-    shape, training settings, world size and device name, so that planning the same model again (another
-    planner, a sweep, a restart at another world size) takes no device time."""
+    """The model timed on this GPU at the micro `batches`, whole where it fits, else block by block; cached
+    on disk per model, shape, training settings, batches, world size and device name, so that planning the
+    same model again (another planner, a sweep, a restart at another world size) takes no device time."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     shape = (
         f"{req.model_label}|{structure}|{req.seq_len}|{req.token_range}|{req.precision}|{req.optimizer}|{req.compile}"
     )
-    key = hashlib.sha256(f"{shape}|{req.world_size}|{name}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{shape}|{batches}|{req.world_size}|{name}".encode()).hexdigest()[:16]
 
     def whole() -> MeasuredTimes | None:
         """The model timed whole, or None where its activations at the timing batch ran out of memory (the
@@ -139,6 +144,7 @@ def _time_on_device(
                 req.optimizer,
                 req.world_size,
                 req.compile,
+                batches,
             )
         except torch.cuda.OutOfMemoryError:
             return None
@@ -150,7 +156,15 @@ def _time_on_device(
             if device.type == "cuda":  # what the whole model's attempt left cached (its frames are gone)
                 torch.cuda.empty_cache()
             times = measure_blocks(
-                build, req.seq_len, req.token_range, device, req.precision, req.optimizer, req.world_size, req.compile
+                build,
+                req.seq_len,
+                req.token_range,
+                device,
+                req.precision,
+                req.optimizer,
+                req.world_size,
+                req.compile,
+                batches,
             )
         return dataclasses.replace(times, cpu_wait_share=meter.share()).to_dict()
 
@@ -172,6 +186,11 @@ def check_capacity(req: PlanRequest, capacity: int, device_name: str) -> None:
         if req.budget_by_preset
         else f"lower {req.budget_key} to at most {capacity / GIB:.2f}",
     )
+
+
+def _unit_flops(profile: ModelProfile) -> dict[str, float]:
+    """Each unit's forward FLOPs at micro batch 1: the probes share a whole pass's time out by them."""
+    return {u.name: profile.forward_flops(u.name, 1) for u in profile.units}
 
 
 def build_context(build: Builder, req: PlanRequest, measure_on: str | None) -> Context:
@@ -200,15 +219,13 @@ def build_context(build: Builder, req: PlanRequest, measure_on: str | None) -> C
     capacity = device_memory(device)
     if capacity is not None:
         check_capacity(req, capacity, torch.cuda.get_device_name(device))
-    flops = {u.name: profile.forward_flops(u.name, 1) for u in profile.units}
-    return dataclasses.replace(ctx, measured=_time_on_device(build, req, device, flops, structure))
+    return dataclasses.replace(ctx, measured=_time_on_device(build, req, device, _unit_flops(profile), structure))
 
 
 def timed_on_cpu(build: Builder, req: PlanRequest, ctx: Context, structure: str, batches: tuple[int, int]) -> Context:
     """`ctx` with the model (of parameter `structure`) timed at the micro `batches` on as many concurrent
     CPU ranks as a node runs workers, and, for a pool of several, gloo's and FSDP2's costs calibrated to it."""
-    profile = ctx.profile
-    flops = {u.name: profile.forward_flops(u.name, 1) for u in profile.units}
+    profile, flops = ctx.profile, _unit_flops(ctx.profile)
     ranks = min(req.world_size, req.workers_per_node)
     key = f"{req.model_label}|{structure}|{compute_dtype(req.precision)}"
     train = Training(req.precision, req.optimizer, req.compile)
@@ -301,16 +318,35 @@ def _planning_failed(req: PlanRequest, exc: Exception) -> UserError:
 
 
 def _make_plan(build: Builder, req: PlanRequest, measure_on: str | None) -> PlanResult:
-    """The plan, searched again on a CPU pool where it chose a micro batch far beyond the batches timed:
-    the model is timed at that batch too, so that the search prices it from a measurement, not from
-    a line carried there (on a GPU the probe at a large batch could run out of memory; its plan says
-    that its times are extrapolated)."""
+    """The plan, searched again where it chose a micro batch far beyond the batches timed: the model is
+    timed at that batch too, on a CPU pool's ranks or on this GPU, so that the search prices it from a
+    measurement, not from a line carried there. Where the GPU's probe runs out of memory at that batch,
+    the first plan stands and says that its times are extrapolated."""
     first = plan_in(build, req, build_context(build, req, measure_on))
     micro = first.plan.micro_batch_size
     measured = first.context.measured
-    if measure_on != "cpu" or measured is None or not measured.extrapolated_to(micro):
+    if measure_on is None or measured is None or not measured.extrapolated_to(micro):
         return first
-    return plan_in(build, req, timed_on_cpu(build, req, first.context, first.plan.structure_hash, batches_for(micro)))
+    structure, batches = first.plan.structure_hash, batches_for(micro)
+    if measure_on == "cpu":
+        return plan_in(build, req, timed_on_cpu(build, req, first.context, structure, batches))
+    again = retimed_on_device(build, req, first.context, structure, torch.device(measure_on), batches)
+    return first if again is None else plan_in(build, req, again)
+
+
+def retimed_on_device(
+    build: Builder, req: PlanRequest, ctx: Context, structure: str, device: torch.device, batches: tuple[int, int]
+) -> Context | None:
+    """`ctx` with the model (of parameter `structure`) timed on `device` at the micro `batches`, or None
+    where even block by block (the whole model's probe falls back to it) a block's activations or the
+    logits at the larger batch did not fit beside the probe's states."""
+    try:
+        measured = _time_on_device(build, req, device, _unit_flops(ctx.profile), structure, batches)
+    except torch.cuda.OutOfMemoryError:
+        measured = None
+    if measured is None and device.type == "cuda":  # after the except: its frames held the probe's tensors
+        torch.cuda.empty_cache()
+    return None if measured is None else dataclasses.replace(ctx, measured=measured)
 
 
 def plan_in(build: Builder, req: PlanRequest, ctx: Context) -> PlanResult:

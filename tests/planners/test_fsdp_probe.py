@@ -108,16 +108,26 @@ def test_a_split_is_sharded_as_the_runtime_shards_it() -> None:
 
 
 def test_fsdp2_costs_are_measured_for_a_rank_under_the_fake_group() -> None:
-    """On CPU FSDP2's hooks cost far more than its copies; the probe runs and finds every strategy adds time."""
+    """On CPU FSDP2's hooks cost far more than its copies; the probe runs and finds every strategy adds time.
+    At the batches a plan far past the usual ones is timed again at (4 and its own), the lines charged
+    run through what was measured at both."""
     build = ZooModel("llama", 2)
-    plain_s = dict.fromkeys(TIMING_BATCHES, 0.0)
+    batches = (TIMING_BATCHES[-1], 16)
+    plain_s = dict.fromkeys(batches, 0.0)
     added = measure_fsdp_costs(build, 32, 256, torch.device("cpu"), 4, "bf16-mixed", plain_s, "adamw")
     assert set(added) == {"ddp", "zero2", "zero3"}
     assert all(s > 0 for a in added.values() for s in a.seconds.values())
     tensors = len(list(build("meta").parameters()))
     assert all(a.tensors == tensors and a.optimizer_s > 0 for a in added.values())
-    assert all(set(a.unit_seconds) == set(TIMING_BATCHES) for a in added.values())
+    assert all(set(a.seconds) == set(a.unit_seconds) == set(batches) for a in added.values())
     assert not torch.distributed.is_initialized(), "the probe's process group is gone"
+    lines = {u.name: Linear1(0.0, 0.0) for u in find_units(build("meta"), 32)}
+    charged = charge(MeasuredTimes(lines, lines, 0.0, batches=batches), added)
+    for strategy, a in added.items():
+        for batch in batches:
+            per_byte, per_unit = charged.fsdp_at(strategy, batch)
+            assert per_byte * a.nbytes == pytest.approx(a.seconds[batch]), (strategy, batch)
+            assert per_unit == pytest.approx(a.unit_seconds[batch]), (strategy, batch)
 
 
 def test_fsdp2_costs_of_a_chain_are_per_byte_of_its_global_size_and_its_optimizer_steps_the_shards() -> None:

@@ -1,19 +1,18 @@
 """The CPU-pool step-time model: FSDP2 units a split makes, HSDP over groups of one, calibration to the
 model, and the model probe on real gloo ranks."""
 
-import json
 from pathlib import Path
 
 import pytest
 
-from helpers import ZooModel, context, plan_zoo, zoo_request
+from helpers import ZooModel, context
 from osdp_planners import model_probe
 from osdp_planners.comm_probe import STRATEGIES, CommProfile
-from osdp_planners.compute_probe import TIMING_BATCHES, MeasuredTimes
+from osdp_planners.compute_probe import MeasuredTimes
 from osdp_planners.hardware import get_preset
 from osdp_planners.model_probe import ModelOverheads, calibrate, measure_on_ranks
 from osdp_planners.options import Option
-from osdp_planners.plan import EXTRAPOLATED, Strategy
+from osdp_planners.plan import Strategy
 from osdp_planners.profile import Linear1
 from osdp_planners.time_model import Topology, comm_seconds, fsdp_units, optimizer_seconds, unit_time
 
@@ -149,29 +148,3 @@ def test_model_probe_times_the_model_on_real_ranks_and_caches_it(
     assert times.cpu_wait_share is not None and 0.0 <= times.cpu_wait_share <= 1.0, "the probe records its host's load"
     again, cached = measure_on_ranks(build, 32, 256, flops, 2, "llama-tiny-2")
     assert again == times and cached == overheads  # read back, not measured again (noise would differ)
-
-
-def test_a_cpu_plan_far_beyond_the_timed_batches_is_timed_again_at_its_own_micro_batch(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The probe times micro batches 1 and 4; a plan at 32 is searched again on lines through 4 and a
-    measurement at 32, so it is priced from what was timed there, not from a line carried 8x past it.
-    A plan at 16 keeps the usual probe (its cached measurement: nothing is timed again)."""
-    monkeypatch.setenv("OSDP_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(model_probe, "quiet", lambda _result: True)
-    build = ZooModel("llama", 2)
-    far = plan_zoo(build, zoo_request("llama", 1, micro_batch=32), "cpu")
-    measured = far.context.measured
-    assert measured is not None and measured.batches == (TIMING_BATCHES[-1], 32)
-    said = far.plan.predicted.times_from  # "measured", or on a loaded host "measured on a busy host: ..."
-    assert said.startswith("measured") and EXTRAPOLATED not in said and far.plan.micro_batch_size == 32, said
-    probes = [json.loads(f.read_text()) for f in tmp_path.glob("model-*-r1.json")]
-    timed = {tuple(sorted(int(b) for b in p["totals"]["forward"])): p["totals"] for p in probes}
-    assert set(timed) == {TIMING_BATCHES, (4, 32)}
-    at_32 = timed[(4, 32)]
-    for kind, lines in (("forward", measured.forward), ("backward", measured.backward)):
-        assert sum(line.at(32) for line in lines.values()) == pytest.approx(at_32[kind]["32"], rel=1e-6), kind
-
-    near = plan_zoo(build, zoo_request("llama", 1, micro_batch=16), "cpu")
-    assert near.context.measured is not None and near.context.measured.batches == TIMING_BATCHES
-    assert len(list(tmp_path.glob("model-*-r1.json"))) == 2
