@@ -209,6 +209,7 @@ def run_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "micro_batch": plan.micro_batch_size,
         "seq_len": plan.seq_len,
         "timed_on_device": ctx.measured is not None,
+        "timed_at_micro_batches": list(ctx.measured.batches) if ctx.measured else None,  # the lines run through them
         "probe_cpu_wait_share": ctx.measured.cpu_wait_share if ctx.measured else None,  # a busy host's probe is slow
         "predicted_step_s": plan.predicted.step_time_s,
         "predicted_no_comm_step_s": free,
@@ -264,6 +265,11 @@ def _error(row: dict[str, Any]) -> float:
     return row["measured_step_s"] / predicted - 1
 
 
+def _timed_at(row: dict[str, Any]) -> str:
+    """The micro batches the probe timed, or that it timed nothing (the preset's FLOP rate priced the case)."""
+    return " and ".join(map(str, row.get("timed_at_micro_batches") or [])) or "not timed"
+
+
 def markdown(rows: list[dict[str, Any]], command: str) -> list[str]:
     lines = [
         MARKERS[0],
@@ -273,7 +279,7 @@ def markdown(rows: list[dict[str, Any]], command: str) -> list[str]:
         "collectives move nothing, so it is held to the prediction with communication priced at zero. "
         f"MFU = (6N + 12 L d s) x tokens/s / {rows[0]['peak_flops_per_s'] / 1e12:g} TFLOP/s. Targets: {TARGETS}.",
         "",
-        "| case | plan | micro | timed on device | predicted s | predicted, no comm s | measured s | error | "
+        "| case | plan | micro | timed on device at | predicted s | predicted, no comm s | measured s | error | "
         "host / step | optimizer s (predicted) | tokens/s | MFU | hand-written tokens/s | MFU | platform / hand |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -285,7 +291,7 @@ def markdown(rows: list[dict[str, Any]], command: str) -> list[str]:
         ratio = f"{r['tokens_per_s'] / hand:.3f}x" if hand else "-"
         hand_cells = f"{hand:,.0f} | {r['hand_mfu']:.1%}" if hand else "- | -"
         lines.append(
-            f"| {r['case']} | {'+'.join(r['strategies'])} | {r['micro_batch']} | {r['timed_on_device']} | "
+            f"| {r['case']} | {'+'.join(r['strategies'])} | {r['micro_batch']} | {_timed_at(r)} | "
             f"{r['predicted_step_s']:.4f} | {r['predicted_no_comm_step_s']:.4f} | {r['measured_step_s']:.4f} | "
             f"{_error(r):+.1%} | {r['host_s'] / r['measured_step_s']:.0%} | "
             f"{r['optimizer_s']:.4f} ({r['predicted_parts_s']['optimizer']:.4f}) | {r['tokens_per_s']:,.0f} | "
