@@ -136,8 +136,8 @@ def added_costs(
 
 def charge(times: MeasuredTimes, added: dict[str, Added]) -> MeasuredTimes:
     """`times` with what FSDP2 adds: each strategy's seconds per byte and per further unit, lines through
-    the two batches `times` was timed at, and what each of its DTensors adds to the optimizer step over `times`' rate
-    per parameter."""
+    the two batches `times` was timed at, and what each of its DTensors adds to the optimizer step over
+    `times`' rate per parameter."""
     b1, b2 = times.batches
     rate = times.optimizer_s_per_param
     return dataclasses.replace(
