@@ -9,16 +9,16 @@ prints the same reference in the terminal.
 import argparse
 import json
 import sys
-import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Any
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from osdp_platform.recipe.schema import Recipe
+from osdp_platform.recipe.typetext import type_text
 
 START = "<!-- recipe-reference:start -->"
 END = "<!-- recipe-reference:end -->"
@@ -27,10 +27,6 @@ _NOTE = (
     "<!-- generated from platform/osdp_platform/recipe/{schema,inputs}.py: "
     f"edit the Field descriptions there, then run `{REGENERATE}` -->"
 )
-# pydantic's constraint metadata (annotated-types objects): attribute -> comparison, read as `type > bound`
-_LOWER = {"gt": ">", "ge": ">="}
-_UPPER = {"lt": "<", "le": "<="}
-_MIRROR = {">": "<", ">=": "<="}
 
 
 @dataclass(frozen=True)
@@ -59,42 +55,6 @@ def _yaml(value: Any) -> str:
     if isinstance(value, dict | list):
         return json.dumps(value)
     return str(value)
-
-
-def _bounded(name: str, metadata: Sequence[Any]) -> str:
-    """`int > 0`, `0 <= float < 0.5`."""
-
-    def found(signs: dict[str, str]) -> tuple[str, Any] | None:
-        return next(
-            (
-                (sign, getattr(m, attr))
-                for m in metadata
-                for attr, sign in signs.items()
-                if getattr(m, attr, None) is not None
-            ),
-            None,
-        )
-
-    lower, upper = found(_LOWER), found(_UPPER)
-    if lower and upper:
-        return f"{lower[1]} {_MIRROR[lower[0]]} {name} {upper[0]} {upper[1]}"
-    bound = lower or upper
-    return f"{name} {bound[0]} {bound[1]}" if bound else name
-
-
-def type_text(annotation: Any, metadata: Sequence[Any] = ()) -> str:
-    """`int > 0 or null`, `mapping or str`, `` `fp32` or `bf16-mixed` ``: what YAML value a key takes."""
-    origin = get_origin(annotation)
-    if origin is Annotated:
-        base, *meta = get_args(annotation)
-        return type_text(base, meta)
-    if origin in (Union, types.UnionType):  # a field's own bounds (Field(gt=0)) hold for each member
-        return " or ".join(type_text(arg, metadata) for arg in get_args(annotation))
-    if origin is Literal:
-        return " or ".join(f"`{value}`" for value in get_args(annotation))
-    if annotation is type(None):
-        return "null"
-    return _bounded("mapping" if origin is dict else getattr(annotation, "__name__", str(annotation)), metadata)
 
 
 def _key(path: str, info: FieldInfo) -> Key:

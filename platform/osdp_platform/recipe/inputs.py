@@ -4,9 +4,11 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from osdp_planners.hardware import PRESETS
+from osdp_platform.recipe.typetext import takes_number, type_text
 
 
 class FieldProblem(ValueError):
@@ -22,6 +24,19 @@ class Section(BaseModel):
     """A recipe section: unknown keys are errors (a typo must not silently fall back to a default)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: object, info: ValidationInfo) -> object:
+        """pydantic takes true as the int 1: `steps: true` would train one step instead of being refused."""
+        field = cls.model_fields[str(info.field_name)]
+        if isinstance(value, bool) and takes_number(field.annotation):
+            raise PydanticCustomError(
+                "number_type",
+                "Input should be {expected}, not true or false",
+                {"expected": type_text(field.annotation, field.metadata).replace("`", "")},
+            )
+        return value
 
 
 class ModelSection(Section):

@@ -1,0 +1,57 @@
+"""A value of the wrong type is refused as one message naming the key, the value and the type the key takes."""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from helpers import CLI, RECIPES
+from osdp_planners.errors import UserErrors
+from osdp_platform.recipe.loader import load_recipe
+from osdp_platform.recipe.schema import Recipe
+from osdp_platform.recipe.typetext import takes_number
+
+TINY = RECIPES / "tiny.yaml"
+
+
+def _number_keys() -> list[str]:
+    """Every key of the schema that takes an int or a float, found from the schema (a new one is covered)."""
+    keys = []
+    for section, info in Recipe.model_fields.items():
+        model = info.annotation
+        if isinstance(model, type) and issubclass(model, BaseModel):
+            keys += [f"{section}.{key}" for key, sub in model.model_fields.items() if takes_number(sub.annotation)]
+    return keys
+
+
+def _only_error(overrides: list[str]) -> tuple[str, object, str, str]:
+    with pytest.raises(UserErrors) as info:
+        load_recipe(TINY, overrides)
+    assert len(info.value.errors) == 1, str(info.value)
+    err = info.value.errors[0]
+    return err.field, err.value, err.problem, err.fix
+
+
+def test_the_number_keys_include_the_ints_and_floats_qa_found() -> None:
+    keys = _number_keys()
+    assert {"train.steps", "train.micro_batch_size", "hardware.workers_per_node", "train.lr"} <= set(keys)
+    assert "train.compile" not in keys and "model.kwargs" not in keys
+
+
+@pytest.mark.parametrize("key", _number_keys())
+@pytest.mark.parametrize("flag", ["true", "false"])
+def test_a_boolean_is_refused_where_a_number_is_expected(key: str, flag: str) -> None:
+    field, value, problem, fix = _only_error([f"{key}={flag}"])
+    assert (field, value) == (key, flag == "true")
+    assert "not true or false" in problem and ("int" in problem or "float" in problem), problem
+    assert "type" in fix
+
+
+def test_the_cli_refuses_a_boolean_step_count_with_exit_2(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [CLI, "validate", str(TINY), "train.steps=true"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2, done.stdout
+    assert "train.steps = True: Input should be int > 0, not true or false" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
