@@ -7,10 +7,12 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
 
 from osdp_planners.errors import UserError, UserErrors
 from osdp_platform.recipe.schema import FieldProblem, Recipe
+from osdp_platform.recipe.typetext import type_text
 
 MAX_EXTENDS_DEPTH = 8
 
@@ -93,18 +95,41 @@ def _fix_for(err: ErrorDetails) -> str:
     return "see `osdp-platform validate --explain` for what the key takes"
 
 
+def _union_key(loc: tuple[str, ...]) -> tuple[str, FieldInfo] | None:
+    """The key an error's loc goes past: pydantic tags each member of a union (`constrained-int`,
+    `literal['auto']`) and reports every member's error, for the one value the user wrote."""
+    model: type[BaseModel] = Recipe
+    for i, part in enumerate(loc):
+        info = model.model_fields.get(part)
+        if info is None:
+            return None
+        ann = info.annotation
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return (".".join(loc[: i + 1]), info) if i + 1 < len(loc) else None
+        model = ann
+    return None
+
+
 def _to_user_errors(source: str, exc: ValidationError) -> UserErrors:
     errors = []
+    unions: set[str] = set()
     for err in exc.errors():
         found = err.get("ctx", {}).get("error")
         if isinstance(found, FieldProblem):  # a validator named the key itself
             errors.append(UserError(found.field, found.value, found.problem, found.fix))
             continue
         loc = tuple(str(p) for p in err["loc"])
-        field = ".".join(p for p in loc if not p.startswith(("function-", "literal[")))
+        union = _union_key(loc)
+        if union is not None:  # one message for the key, whichever members refused its value
+            key, info = union
+            if key not in unions:
+                unions.add(key)
+                expected = type_text(info.annotation, info.metadata).replace("`", "")
+                errors.append(UserError(key, err.get("input"), f"Input should be {expected}", f"give {expected}"))
+            continue
         msg = err["msg"].removeprefix("Value error, ")
         value = None if err["type"] == "missing" else err.get("input")  # its input is the section around it
-        errors.append(UserError(field or "recipe", value, msg, _fix_for(err)))
+        errors.append(UserError(".".join(loc) or "recipe", value, msg, _fix_for(err)))
     return UserErrors(source, errors)
 
 

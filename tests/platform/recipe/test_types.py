@@ -55,3 +55,21 @@ def test_the_cli_refuses_a_boolean_step_count_with_exit_2(tmp_path: Path) -> Non
     assert done.returncode == 2, done.stdout
     assert "train.steps = True: Input should be int > 0, not true or false" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "value", "expected"),
+    [
+        ("train.micro_batch_size=0", "train.micro_batch_size", 0, "int > 0 or auto"),
+        ("train.micro_batch_size=autox", "train.micro_batch_size", "autox", "int > 0 or auto"),
+        ("model.hf_config=5", "model.hf_config", 5, "mapping or str or null"),
+    ],
+)
+def test_a_union_key_gets_one_message_without_pydantics_member_tags(
+    override: str, key: str, value: object, expected: str
+) -> None:
+    """pydantic reports a union's value once per member (`train.micro_batch_size.constrained-int`, then
+    `Input should be 'auto'`): the user wrote one value, and reads one message naming what the key takes."""
+    field, found, problem, fix = _only_error([override])
+    assert (field, found) == (key, value)
+    assert problem == f"Input should be {expected}" and expected in fix
