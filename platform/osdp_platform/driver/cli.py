@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--out", help="write the plan JSON here")
     plan.add_argument("--json", action="store_true", help="print the plan JSON instead of the table")
     plan.add_argument(
-        "--png", help="write the predicted memory timeline here (default: plan.png beside --out, or none)"
+        "--png", help="write the predicted memory timeline here (default: the --out file's name with .png, or none)"
     )
     plan.add_argument(
         "--track",
@@ -142,7 +142,7 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     from osdp_platform.planning.local import plan_recipe
     from osdp_platform.recipe.preflight import Where, preflight
     from osdp_platform.tracking.keys import RunKind
-    from osdp_platform.tracking.report import log_report, print_report
+    from osdp_platform.tracking.report import log_report, plot, print_report
     from osdp_platform.tracking.runs import RunTracker, check_reachable
 
     recipe = load_recipe(args.recipe, args.overrides)
@@ -150,19 +150,22 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     if args.track:
         check_reachable(recipe.tracking.resolved_uri)
     result = plan_recipe(recipe)
+    notes = Console(stderr=True) if args.json else console  # under --json stdout holds the plan alone, for a pipe
     if args.json:
         console.print(result.plan.to_json(), markup=False)
-        return 0
     if args.out:
         Path(args.out).write_text(result.plan.to_json())
-        console.print(f"plan written to {args.out}", markup=False)
-    png = args.png or (str(Path(args.out).with_suffix(".png")) if args.out else None)
-    print_report(result, console, Path(png) if png else None)
+        notes.print(f"plan written to {args.out}", markup=False)
+    png = Path(args.png) if args.png else Path(args.out).with_suffix(".png") if args.out else None
+    if not args.json:
+        print_report(result, console, png)
+    elif png is not None:
+        notes.print(f"memory timeline written to {plot(result, png)}", markup=False)
     if args.track:
         tracker = RunTracker.start(recipe, RunKind.PLAN, result.plan)
         log_report(tracker, result)
         tracker.finish()
-        console.print(f"plan recorded as MLflow run {tracker.run_id}", markup=False)
+        notes.print(f"plan recorded as MLflow run {tracker.run_id}", markup=False)
     return 0
 
 
