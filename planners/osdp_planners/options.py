@@ -9,9 +9,7 @@ and predictions. The plan is assembled from options field by field and read back
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from osdp_planners.plan import Strategy, UnitPlan
-
-SPLITS = (1, 2, 4, 8)
+from osdp_planners.plan import SPLITS, Strategy, UnitPlan
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from osdp_planners.margin import MemoryMargin
 
 PLAN_VERSION = 1
+SPLITS = (1, 2, 4, 8)  # the slices a unit's Linears may be split into (the profiler measures each)
 
 
 class Strategy(StrEnum):
@@ -113,7 +114,12 @@ class Plan(_Strict):
             if u.strategy is Strategy.DDP and u.shard_group_size != 1:
                 raise ValueError(f"unit {u.name}: ddp replicates, so shard_group_size must be 1")
             if u.strategy in (Strategy.ZERO2, Strategy.ZERO3) and u.shard_group_size != self.world_size:
-                raise ValueError(f"unit {u.name}: {u.strategy} shards over all {self.world_size} ranks")
+                raise ValueError(
+                    f"unit {u.name}: {u.strategy} shards over all {self.world_size} ranks, "
+                    f"so shard_group_size must be {self.world_size}"
+                )
+            if u.split not in SPLITS:
+                raise ValueError(f"unit {u.name}: split {u.split} is not one of {', '.join(map(str, SPLITS))}")
         return self
 
     @property

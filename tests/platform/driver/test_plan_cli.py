@@ -3,6 +3,7 @@
 import json
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -78,27 +79,78 @@ def test_llama_70b_osdp_on_64_gpus(tmp_path: Path) -> None:
 
 
 def test_manual_plan_is_evaluated_and_edits_change_predictions(tmp_path: Path) -> None:
-    tiny = str(RECIPES / "tiny.yaml")
+    tiny, roomy = str(RECIPES / "tiny.yaml"), "hardware.memory_per_device_gb=0.1"  # replicated units fit 0.1 GB
     first = tmp_path / "zero3.json"
-    made = run_cli("plan", tiny, "--out", str(first), "planner.name=zero3", cwd=tmp_path)  # an override after --out
+    made = run_cli(
+        "plan", tiny, roomy, "--out", str(first), "planner.name=zero3", cwd=tmp_path
+    )  # an override after --out
     assert made.returncode == 0, made.stderr[-2000:]
     assert '"units"' not in made.stdout and "zero3" in made.stdout  # the table, not the JSON
     data = json.loads(first.read_text())
-    printed = run_cli("plan", tiny, "planner.name=zero3", "--json", cwd=tmp_path)
-    assert json.loads(printed.stdout)["units"] == data["units"]
+    also = tmp_path / "also.json"
+    printed = run_cli("plan", tiny, roomy, "planner.name=zero3", "--json", "--out", str(also), cwd=tmp_path)
+    assert json.loads(printed.stdout)["units"] == data["units"], "stdout holds the plan alone"
+    assert json.loads(also.read_text())["units"] == data["units"] and also.with_suffix(".png").stat().st_size > 0
     for unit in data["units"]:
         unit.update(strategy="ddp", shard_group_size=1)
     edited = tmp_path / "edited.json"
     edited.write_text(json.dumps(data))
     out = tmp_path / "manual.json"
     result = run_cli(
-        "plan", tiny, "planner.name=manual", f"planner.plan_file={edited}", "--out", str(out), cwd=tmp_path
+        "plan", tiny, roomy, "planner.name=manual", f"planner.plan_file={edited}", "--out", str(out), cwd=tmp_path
     )
     assert result.returncode == 0, result.stderr[-2000:]
     manual = Plan.from_file(out)
     zero3 = Plan.from_file(first)
     assert {u.strategy for u in manual.units} == {Strategy.DDP}
     assert manual.predicted.peak_memory_bytes > zero3.predicted.peak_memory_bytes  # DP holds full copies
+
+
+def _edited(plan: dict[str, Any], edit: str) -> dict[str, Any]:
+    """The plan with one hand edit a user might make."""
+    if edit == "split 3":
+        plan["units"][1]["split"] = 3
+    elif edit == "split a unit without Linears":
+        plan["units"][0]["split"] = 2  # the embedding
+    else:
+        plan["micro_batch_size"] = 16
+    return plan
+
+
+@pytest.mark.parametrize(
+    ("edit", "overrides", "said"),
+    [
+        ("split 3", [], ["planner.plan_file", "split 3 is not one of 1, 2, 4, 8"]),
+        ("split a unit without Linears", [], ["planner.plan_file", "unit embed:", "split 2", "use one of:"]),
+        ("micro batch 16", [], ["train.micro_batch_size = 8", "micro_batch_size 16", "set train.micro_batch_size=16"]),
+        (
+            "micro batch 16",
+            ["train.micro_batch_size=auto"],
+            ["planner.plan_file", "MiB per device, over the", "hardware.memory_per_device_gb = 0.008"],
+        ),
+        (
+            "micro batch 16",
+            ["train.micro_batch_size=auto", "hardware.memory_per_device_gb=0.1", "train.global_batch_size=16"],
+            ["train.global_batch_size = 16", "16 x 1 x 2 = 32"],
+        ),
+    ],
+)
+def test_a_hand_edited_plan_the_pool_or_recipe_cannot_run_is_refused(
+    tmp_path: Path, edit: str, overrides: list[str], said: list[str]
+) -> None:
+    """A split the profiler never measured, a split of a unit with nothing to split, a micro batch the
+    recipe contradicts, a plan over the budget, a global batch the recipe contradicts: each is one
+    message naming what is wrong, exit 2 (before, they planned, trained over the budget, or failed
+    inside the memory model and blamed the model)."""
+    tiny = str(RECIPES / "tiny.yaml")
+    made = tmp_path / "zero3.json"
+    assert run_cli("plan", tiny, "planner.name=zero3", "--out", str(made), cwd=tmp_path).returncode == 0
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(_edited(json.loads(made.read_text()), edit)))
+    result = run_cli("plan", tiny, "planner.name=manual", f"planner.plan_file={edited}", *overrides, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert all(s in result.stderr for s in said), result.stderr
+    assert "Traceback" not in result.stderr and "errors.pydantic.dev" not in result.stderr
 
 
 def test_infeasible_budget_names_the_smallest_footprint(tmp_path: Path) -> None:
