@@ -238,6 +238,25 @@ class Recipe(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _budget_within_the_device(self) -> "Recipe":
+        """planner.memory_limit_gb is a per-device budget: above the device's memory, the planner would make
+        plans no device holds."""
+        limit = self.planner.memory_limit_gb
+        if limit is None or self.memory_limit_bytes <= self.hardware.memory_per_device_bytes:
+            return self
+        device = f"{self.hardware.memory_per_device_bytes / 1024**3:.4g} GiB"
+        if self.hardware.memory_per_device_gb is not None:
+            key, value = "hardware.memory_per_device_gb", f"{self.hardware.memory_per_device_gb:g}"
+        else:
+            key, value = "hardware.preset", f"{self.hardware.preset} ({device})"
+        raise FieldProblem(
+            "planner.memory_limit_gb",
+            limit,
+            f"is above the memory of one device, {key} = {value}: it is a per-device budget",
+            f"set planner.memory_limit_gb to at most {device}, or hardware.memory_per_device_gb to what a device holds",
+        )
+
     def _elastic_training(self) -> None:
         """What an elastic pool needs of training: a global batch that stays (the loss curve continues when
         the world size changes) and checkpoints (what a resized group resumes from)."""

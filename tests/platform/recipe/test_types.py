@@ -73,3 +73,26 @@ def test_a_union_key_gets_one_message_without_pydantics_member_tags(
     field, found, problem, fix = _only_error([override])
     assert (field, found) == (key, value)
     assert problem == f"Input should be {expected}" and expected in fix
+
+
+@pytest.mark.parametrize(
+    ("overrides", "device"),
+    [
+        (
+            ["planner.memory_limit_gb=0.008", "hardware.memory_per_device_gb=0.002"],
+            "hardware.memory_per_device_gb = 0.002",
+        ),
+        (["planner.memory_limit_gb=90", "hardware.memory_per_device_gb=null"], "hardware.preset = cpu (8 GiB)"),
+    ],
+)
+def test_a_budget_above_the_device_memory_is_refused(overrides: list[str], device: str) -> None:
+    """planner.memory_limit_gb is a per-device budget (the README's reference): it cannot exceed the device."""
+    field, value, problem, fix = _only_error(overrides)
+    assert field == "planner.memory_limit_gb" and value == float(overrides[0].split("=")[1])
+    assert device in problem and "per-device budget" in problem, problem
+    assert "at most" in fix and "hardware.memory_per_device_gb" in fix, fix
+
+
+def test_a_budget_of_the_device_memory_or_less_is_taken() -> None:
+    recipe = load_recipe(TINY, ["planner.memory_limit_gb=0.002", "hardware.memory_per_device_gb=0.002"])
+    assert recipe.memory_limit_bytes == recipe.hardware.memory_per_device_bytes
