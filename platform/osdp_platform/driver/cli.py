@@ -272,8 +272,17 @@ def _quiet() -> None:
     os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")  # our own lines name the runs
     warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("default", category=FutureWarning, module="osdp_")  # the platform's own: a renamed key
+    warnings.formatwarning = _one_line
     logging.getLogger("mlflow").setLevel(logging.WARNING)
     logging.getLogger("urllib3").setLevel(logging.ERROR)  # retries of a server that went away: we warn once
+
+
+def _one_line(
+    message: Warning | str, category: type[Warning], filename: str, lineno: int, line: str | None = None
+) -> str:
+    """A warning as the CLI's errors read (`warning: ...`), not Python's file, line and source."""
+    return f"warning: {message}\n"
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:

@@ -158,3 +158,12 @@ def test_infeasible_budget_names_the_smallest_footprint(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert "smallest footprint" in result.stderr and "planner.memory_limit_gb" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_renamed_key_is_warned_of_on_the_terminal(tmp_path: Path) -> None:
+    """The CLI keeps torch's FutureWarnings off the terminal, but not the platform's own (a renamed key),
+    and shows it as one line, as its errors read."""
+    result = run_cli("validate", str(RECIPES / "tiny.yaml"), "planner.search=dp", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stderr.startswith("warning: planner.search=dp is renamed knapsack"), result.stderr
+    assert "FutureWarning" not in result.stderr and "search: knapsack" in result.stdout
