@@ -2,9 +2,19 @@
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from osdp_planners.hardware import PRESETS
@@ -112,6 +122,33 @@ class ModelSection(Section):
             raise FieldProblem(
                 "model.hf_config", self.hf_config, "does not exist", "give a local config.json or the folder holding it"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _zoo_options(self) -> "ModelSection":
+        """A zoo preset's overrides are ZooConfig's fields, of its types: the model's constructor would fail on
+        n_layers=abc with Python's own words (`'<=' not supported between 'str' and 'int'`)."""
+        if self.family is None or not self.kwargs:
+            return self
+        from osdp_platform.zoo import ZooConfig  # loads torch: only for a zoo model with overrides
+
+        types = {name: hint for name, hint in get_type_hints(ZooConfig).items() if name not in ("family", "size")}
+        options = ", ".join(f"{name}: {type_text(hint)}" for name, hint in types.items())
+        for name, value in self.kwargs.items():
+            if name not in types:
+                raise FieldProblem(
+                    f"model.kwargs.{name}", value, "is not an option of the zoo models", f"use one of {options}"
+                )
+            try:  # strict: true is not 1, and 2.5 or "2" is not an int
+                TypeAdapter(types[name], config=ConfigDict(strict=True)).validate_python(value)
+            except ValidationError:
+                expected = type_text(types[name])
+                raise FieldProblem(
+                    f"model.kwargs.{name}",
+                    value,
+                    f"Input should be {expected}",
+                    f"give {name} as {expected}; the zoo's options: {options}",
+                ) from None
         return self
 
     @property

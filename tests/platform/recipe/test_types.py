@@ -96,3 +96,52 @@ def test_a_budget_above_the_device_memory_is_refused(overrides: list[str], devic
 def test_a_budget_of_the_device_memory_or_less_is_taken() -> None:
     recipe = load_recipe(TINY, ["planner.memory_limit_gb=0.002", "hardware.memory_per_device_gb=0.002"])
     assert recipe.memory_limit_bytes == recipe.hardware.memory_per_device_bytes
+
+
+ZOO_OPTIONS = "vocab_size: int, dim: int, n_layers: int, n_heads: int"
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "value", "expected"),
+    [
+        ("model.kwargs.n_layers=abc", "model.kwargs.n_layers", "abc", "int"),
+        ("model.kwargs.n_layers=2.5", "model.kwargs.n_layers", 2.5, "int"),
+        ("model.kwargs.n_layers=true", "model.kwargs.n_layers", True, "int"),
+        ("model.kwargs.n_kv_heads=two", "model.kwargs.n_kv_heads", "two", "int or null"),
+        ("model.kwargs.norm_eps=small", "model.kwargs.norm_eps", "small", "float"),
+    ],
+)
+def test_a_zoo_option_of_the_wrong_type_is_named_with_the_options(
+    override: str, key: str, value: object, expected: str
+) -> None:
+    """The zoo model's constructor would fail with Python's own words (`'<=' not supported between ...`)."""
+    field, found, problem, fix = _only_error([override])
+    assert (field, found) == (key, value)
+    assert problem == f"Input should be {expected}"
+    assert ZOO_OPTIONS in fix and "not supported" not in problem + fix, fix
+
+
+def test_an_unknown_zoo_option_is_named_with_the_options() -> None:
+    field, value, problem, fix = _only_error(["model.kwargs.n_layerz=2"])
+    assert (field, value) == ("model.kwargs.n_layerz", 2) and "not an option" in problem
+    assert ZOO_OPTIONS in fix and "norm_eps: float" in fix
+
+
+def test_zoo_options_of_their_types_build_the_model() -> None:
+    recipe = load_recipe(
+        TINY, ["model.kwargs.n_layers=3", "model.kwargs.norm_eps=1e-6", "model.kwargs.n_kv_heads=null"]
+    )
+    assert recipe.model.kwargs["n_layers"] == 3 and recipe.model.kwargs["norm_eps"] == 1e-6
+
+
+def test_the_cli_names_a_zoo_options_type_with_exit_2(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [CLI, "validate", str(TINY), "model.kwargs.n_layers=abc"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stdout
+    assert "model.kwargs.n_layers = 'abc': Input should be int" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "not supported" not in done.stderr
