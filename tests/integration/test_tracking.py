@@ -251,7 +251,8 @@ def test_an_unreachable_server_is_a_user_error(capsys: pytest.CaptureFixture[str
     dead = f"http://127.0.0.1:{free_port()}"
     assert main(["compare", "--uri", dead, "--experiment", "x"]) == EXIT_USER_ERROR
     err = capsys.readouterr().err
-    assert f"tracking.uri = '{dead}'" in err and "does not answer" in err and "Traceback" not in err
+    assert f"--uri = '{dead}'" in err and "does not answer" in err and "Traceback" not in err
+    assert "tracking.uri" not in err  # named as the option given, with its own fix
 
 
 def test_a_folder_store_is_refused_before_anything_starts(

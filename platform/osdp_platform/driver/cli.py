@@ -227,7 +227,16 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     if args.command == "compare":
         from osdp_platform.tracking.compare import compare
 
-        compare(_store(args.uri), args.run_ids, args.experiment, args.format, console, record=args.log, wide=args.wide)
+        compare(
+            _store(args.uri),
+            args.run_ids,
+            args.experiment,
+            args.format,
+            console,
+            record=args.log,
+            wide=args.wide,
+            uri_option="--uri",
+        )
         return 0
     if args.command == "ui":
         return _ui(_store(args.uri), args.host, args.port, console)

@@ -177,10 +177,11 @@ def compare(
     sweep: str | None = None,
     record: bool = False,
     wide: bool = False,
+    uri_option: str = "tracking.uri",
 ) -> list[Row]:
     """Print the runs side by side; `record`: also log the comparison (table, JSON, chart) as a run of
-    its own (a sweep does; reading runs writes nothing otherwise)."""
-    records = run_records(uri, run_ids, experiment, sweep)
+    its own (a sweep does; reading runs writes nothing otherwise). `uri_option` names where `uri` came from."""
+    records = run_records(uri, run_ids, experiment, sweep, uri_option)
     if not records:
         raise UserError(
             "--experiment",

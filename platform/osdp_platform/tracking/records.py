@@ -11,7 +11,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_RUN_NOTE
 from osdp_planners.errors import UserError
 from osdp_planners.plan import Plan
 from osdp_platform.tracking.keys import PLANNED, STRATEGIES, RunKind, Tag, baseline_metric
-from osdp_platform.tracking.runs import check_reachable
+from osdp_platform.tracking.runs import check_readable
 
 
 @dataclass(frozen=True)
@@ -91,9 +91,19 @@ def _record(run: Run) -> RunRecord:
     )
 
 
-def run_records(uri: str, run_ids: list[str], experiment: str | None, sweep: str | None = None) -> list[RunRecord]:
-    """The runs named, else every plan and train run of `experiment` (of one sweep, if given), oldest first."""
-    check_reachable(uri)
+def run_records(
+    uri: str, run_ids: list[str], experiment: str | None, sweep: str | None = None, uri_option: str = "tracking.uri"
+) -> list[RunRecord]:
+    """The runs named, else every plan and train run of `experiment` (of one sweep, if given), oldest first.
+    `uri_option` names where `uri` came from, for the errors."""
+    if not run_ids and experiment is None:
+        raise UserError(
+            "RUN_ID / --experiment",
+            None,
+            "neither is given: compare needs the runs to show",
+            "pass run ids (as submit, plan --track or sweep printed them) or --experiment NAME",
+        )
+    check_readable(uri, uri_option)
     client = MlflowClient(uri)
     if run_ids:
         runs = []
@@ -105,7 +115,7 @@ def run_records(uri: str, run_ids: list[str], experiment: str | None, sweep: str
                     "RUN_ID",
                     run_id,
                     f"no MLflow run with this id in {uri}",
-                    "pass ids that submit, plan --track or sweep printed, with the same --uri",
+                    f"pass ids that submit, plan --track or sweep printed, with the same {uri_option}",
                 ) from None
         return [_record(r) for r in runs]
     found = client.get_experiment_by_name(experiment) if experiment else None

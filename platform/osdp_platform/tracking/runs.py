@@ -64,11 +64,12 @@ def _answers(uri: str) -> bool:
         return False
 
 
-def check_store(uri: str) -> None:
-    """Refuse a store MLflow itself would refuse when the run opens (`validate` checks this much)."""
+def check_store(uri: str, option: str = "tracking.uri") -> None:
+    """Refuse a store MLflow itself would refuse when the run opens (`validate` checks this much); `option`
+    names where the URI came from (`compare --uri`)."""
     if urlparse(uri).scheme in ("", "file") and not MLFLOW_ALLOW_FILE_STORE.get():
         raise UserError(
-            "tracking.uri",
+            option,
             uri,
             "MLflow opens a folder store (file:// or a path) only with MLFLOW_ALLOW_FILE_STORE=true",
             "use a database such as sqlite:///mlflow.db (`mlflow migrate-filestore` moves an existing folder's runs), "
@@ -76,20 +77,46 @@ def check_store(uri: str) -> None:
         )
 
 
-def check_reachable(uri: str) -> None:
+def check_reachable(uri: str, option: str = "tracking.uri") -> None:
     """Refuse before anything starts a store MLflow would refuse or a server that does not answer; later,
     writes wait instead."""
-    check_store(uri)
+    check_store(uri, option)
     if uri.startswith(("http://", "https://")):
         # MLflow's default retries a dead server for minutes per request; waiting writes make that needless
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
     if not _answers(uri):
         raise UserError(
-            "tracking.uri",
+            option,
             uri,
             "the MLflow tracking server does not answer",
-            "start it (mlflow server ...), or leave tracking.uri unset for a local sqlite file",
+            f"start it (mlflow server ...), or leave {option} unset for a local sqlite file",
+        )
+
+
+def _local_store_path(uri: str) -> Path | None:
+    """The file or folder a local store keeps its runs in (None for a server or an in-memory database)."""
+    parsed = urlparse(uri)
+    if parsed.scheme == "sqlite":
+        path = uri.removeprefix("sqlite:///").split("?", 1)[0]
+        return Path(path) if uri.startswith("sqlite:///") and path not in ("", ":memory:") else None
+    if parsed.scheme in ("", "file"):
+        return Path(parsed.path)
+    return None
+
+
+def check_readable(uri: str, option: str = "tracking.uri") -> None:
+    """What check_reachable refuses, and a local store that does not exist: MLflow would create an empty one,
+    and reading runs must write nothing."""
+    check_reachable(uri, option)
+    path = _local_store_path(uri)
+    if path is not None and not path.exists():
+        raise UserError(
+            option,
+            uri,
+            f"no tracking store at {path.resolve()}",
+            f"pass the store the runs were recorded in (the recipe's tracking.uri; default sqlite:///mlflow.db in "
+            f"the folder submit ran in) as {option}",
         )
 
 
