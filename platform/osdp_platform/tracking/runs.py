@@ -42,7 +42,7 @@ from osdp_platform.tracking.keys import (
     plan_params,
     recipe_hash,
 )
-from osdp_platform.tracking.pending import PendingWrites, Write
+from osdp_platform.tracking.pending import RUN, WRITES, PendingWrites, Write
 
 MAX_METRICS_PER_BATCH = 1000  # MLflow's limits for one log_batch
 MAX_PARAMS_PER_BATCH = 100
@@ -277,6 +277,15 @@ class RunTracker:
     def sync(cls, folder: Path, warn: Callable[[str], None] | None = None) -> bool:
         """Upload the writes a run left in `folder`; False if the server still does not answer."""
         pending = PendingWrites(folder)
+        if not (folder / RUN).is_file():  # checked here: a missing folder would otherwise surface as an OSError
+            raise UserError(
+                "FOLDER",
+                str(folder),
+                f"holds no {RUN}: sync expects the folder a run kept its MLflow writes in (mlflow-pending/<run id>, "
+                f"with {RUN} and {WRITES}), and removes it once they are uploaded",
+                "pass the folder the run's warning named (`osdp-platform sync FOLDER`); if sync already said "
+                "`uploaded`, there is nothing left to do",
+            )
         uri, run_id = pending.run()
         check_reachable(uri)
         return cls(uri, run_id, warn=warn or log.warning, pending_root=folder.parent, pending=pending)._catch_up()

@@ -1,5 +1,5 @@
-"""`compare` refuses a user's mistake with one message naming the argument (exit 2), and (read-only)
-never creates a tracking store."""
+"""`sync` and `compare` refuse a user's mistake with one message naming the argument (exit 2), and
+`compare` (read-only) never creates a tracking store."""
 
 from pathlib import Path
 
@@ -7,6 +7,17 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from osdp_platform.driver.cli import EXIT_USER_ERROR, main
+
+
+def test_sync_of_a_missing_folder_names_it_and_what_sync_expects(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "nope"
+    assert main(["sync", str(folder)]) == EXIT_USER_ERROR
+    err = capsys.readouterr().err
+    assert f"FOLDER = '{folder}'" in err and "run.json" in err and "fix:" in err
+    assert "Error" not in err  # no raw Python exception text
+    assert not folder.exists()
 
 
 def test_compare_of_a_missing_store_creates_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
