@@ -83,7 +83,7 @@ def _nodes_to_fit(ctx: Context, req: PlanRequest, plan: Choice) -> int | None:
             for u, o in plan.options.items()
         }
         batch, accum = plan.micro_batch_size, plan.grad_accum_steps
-        return simulate(ctx.profile, opts, batch, ctx.compute_bytes, ctx.optimizer, accum, ctx.overlap).peak
+        return simulate(ctx.profile, opts, batch, ctx.compute_bytes, ctx.optimizer, accum, ctx.overlap, ctx.alone).peak
 
     if peak(MAX_NODES_ADVISED) > ctx.usable_memory_bytes:
         return None

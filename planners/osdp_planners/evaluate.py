@@ -47,6 +47,11 @@ class Context:
         return self.topo.device.accelerator == "gpu"
 
     @property
+    def alone(self) -> bool:
+        """A world of one runs no FSDP2 (runtime.apply): see memory_model.Settings."""
+        return self.topo.world_size == 1
+
+    @property
     def opt_states(self) -> int:
         return ADAM_STATES if self.optimizer == "adamw" else 0
 
@@ -55,7 +60,7 @@ class Context:
         return layout_of(self.profile)
 
     def settings(self, batch: int, accum: int) -> Settings:
-        return Settings(batch, accum, self.compute_bytes, self.opt_states, self.overlap)
+        return Settings(batch, accum, self.compute_bytes, self.opt_states, self.overlap, self.alone)
 
     @cached_property
     def signatures(self) -> dict[str, tuple[object, ...]]:
@@ -198,7 +203,7 @@ def unit_seconds(ctx: Context, unit: str, opt: Option, batch: int, accum: int) -
 
 
 def evaluate(ctx: Context, options: dict[str, Option], batch: int, accum: int) -> Evaluation:
-    timeline = simulate(ctx.profile, options, batch, ctx.compute_bytes, ctx.optimizer, accum, ctx.overlap)
+    timeline = simulate(ctx.profile, options, batch, ctx.compute_bytes, ctx.optimizer, accum, ctx.overlap, ctx.alone)
     parts = {u: unit_parts(ctx, u, o, batch, accum) for u, o in options.items()}
     step = sum(p.total_s for p in parts.values()) + accum * ctx.topo.step_fixed_s
     samples = batch * accum * ctx.topo.world_size

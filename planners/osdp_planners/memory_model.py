@@ -80,6 +80,7 @@ class Settings:
     compute_bytes: int = 4
     opt_states: int = ADAM_STATES
     gpu: bool = False
+    alone: bool = False  # a world of one: no FSDP2 (runtime.apply), so the strategy changes nothing
 
 
 def footprint(profile: ModelProfile, layout: Layout, unit: str, opt: Option, s: Settings) -> Footprint:
@@ -100,7 +101,7 @@ def footprint(profile: ModelProfile, layout: Layout, unit: str, opt: Option, s: 
     piece = max((lin.slice_bytes(v.split) for lin in linears), default=0.0) if split else 0.0
     split_modules = {m.key for m in mods if split and any(lin.within(m.path) for lin in linears)}
     first, last = mods[0].key, mods[-1].key
-    reshards = opt.strategy in (Strategy.ZERO3, Strategy.HSDP)
+    reshards = not s.alone and opt.strategy in (Strategy.ZERO3, Strategy.HSDP)
     sharded = g > 1
     segs: list[tuple[int, int, float]] = []
 
@@ -137,7 +138,9 @@ def footprint(profile: ModelProfile, layout: Layout, unit: str, opt: Option, s: 
     if reshards:
         add(slot[ev.gather], slot[ev.forward[last]], rest * ratio)
         add(slot[ev.backward_gather], slot[ev.backward[first]], rest * ratio)
-    else:
+    elif not s.alone or ratio < 1:
+        # alone, autocast saves each weight's compute-dtype copy for its backward; in fp32 it uses the
+        # parameters themselves (measured on the tiny llama: the same peak under every strategy)
         add(slot[ev.gather], slot[ev.backward[first]], full * ratio)
     if sharded:  # the all-gather output of its own gathers
         add(slot[ev.gather], slot[ev.gather], rest * ratio)
@@ -227,10 +230,12 @@ def simulate(
     optimizer: str = "adamw",
     accum: int = 1,
     gpu: bool = False,
+    alone: bool = False,
 ) -> Timeline:
-    """Per-rank bytes at each event of one steady-state step (after the first optimizer step)."""
+    """Per-rank bytes at each event of one steady-state step (after the first optimizer step); `alone`: a
+    world of one (see Settings)."""
     layout = layout_of(profile)
-    s = Settings(batch, accum, compute_bytes, ADAM_STATES if optimizer == "adamw" else 0, gpu)
+    s = Settings(batch, accum, compute_bytes, ADAM_STATES if optimizer == "adamw" else 0, gpu, alone)
     levels = base_levels(profile, layout, s)
     diff = np.zeros(len(levels) + 1)
     for unit, opt in options.items():

@@ -230,7 +230,14 @@ def solve_exact(
         choice = _choice(program, x, len(units))
         chosen = {u: options[u][i] for u, i in zip(units, choice, strict=True)}
         peak = simulate(
-            ctx.profile, chosen, s.micro_batch_size, ctx.compute_bytes, ctx.optimizer, s.grad_accum_steps, ctx.overlap
+            ctx.profile,
+            chosen,
+            s.micro_batch_size,
+            ctx.compute_bytes,
+            ctx.optimizer,
+            s.grad_accum_steps,
+            ctx.overlap,
+            ctx.alone,
         ).peak
         if peak <= limit:
             total = sum(costs[j][i] for j, i in enumerate(choice))
