@@ -7,7 +7,7 @@ and an autoscaler grows the group that provides them.
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -43,11 +43,13 @@ def beside_the_driver() -> NodeAffinitySchedulingStrategy:
     return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
 
 
-def connect(recipe: Recipe, address: str | None, verbose: bool = True) -> None:
+def connect(recipes: Recipe | Sequence[Recipe], address: str | None, verbose: bool = True) -> None:
     """Start a local Ray without dashboard, or join the cluster at `address`/RAY_ADDRESS.
 
-    Not `verbose`: Ray's own logs and the workers' output stay in Ray's log files (errors still arrive
-    as exceptions), so the terminal shows the platform's progress and nothing else.
+    A local Ray is sized for the largest of `recipes` (a sweep's cells, in whatever order): the session
+    is started once and hosts them all. Not `verbose`: Ray's own logs and the workers' output stay in
+    Ray's log files (errors still arrive as exceptions), so the terminal shows the platform's progress
+    and nothing else.
     """
     if ray.is_initialized():
         return
@@ -56,10 +58,13 @@ def connect(recipe: Recipe, address: str | None, verbose: bool = True) -> None:
     if address:
         ray.init(address=address, log_to_driver=verbose, logging_level=level)
         return
-    hw = recipe.hardware
-    cpus = max(os.cpu_count() or 1, hw.world_size)
+    pools = [r.hardware for r in ([recipes] if isinstance(recipes, Recipe) else recipes)]
+    cpus = max(os.cpu_count() or 1, *(hw.world_size for hw in pools))
     # A local run is its own pool: this machine advertises the pool resource for every worker.
-    pool = {name: float(hw.world_size) for name in pool_request(hw)}
+    pool: dict[str, float] = {}
+    for hw in pools:
+        for name in pool_request(hw):
+            pool[name] = max(pool.get(name, 0.0), float(hw.world_size))
     # "local": a new Ray of our own, never a cluster another `ray start` on this machine left behind
     ray.init(
         address="local",

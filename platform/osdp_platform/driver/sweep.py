@@ -103,7 +103,7 @@ def sweep(
     for cell in cells:
         preflight(cell.recipe, where_it_runs(address))
     check_reachable(uri)
-    connect(first, address, verbose)
+    connect([cell.recipe for cell in cells], address, verbose)  # a local Ray sized for the largest cell
     if not verbose:
         ray_logs_hint(console)
     for cell in cells:

@@ -88,3 +88,30 @@ def test_a_local_run_provides_the_pool_for_every_worker(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "LOCAL_POOL 3.0" in result.stdout
+
+
+def test_a_local_ray_is_sized_for_the_largest_cell_whatever_the_order(tmp_path: Path) -> None:
+    """A sweep starts one local Ray for all its cells: a smaller cell first must not size it (1 worker,
+    then 3, on a 2-core machine, was refused by check_cluster for the second cell)."""
+    code = (
+        "import ray\n"
+        "from osdp_platform.driver.cluster import check_cluster, connect\n"
+        "from osdp_platform.recipe.loader import load_recipe\n"
+        f"cells = [load_recipe({str(RECIPES / 'tiny.yaml')!r}, ['hardware.pool=LOCAL_POOL', "
+        "f'hardware.workers_per_node={n}']) for n in (1, 3)]\n"
+        "connect(cells, None)\n"
+        "for cell in cells:\n"
+        "    check_cluster(cell)\n"
+        "print('LOCAL_POOL', ray.cluster_resources().get('LOCAL_POOL'))\n"
+        "ray.shutdown()\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "RAY_USAGE_STATS_ENABLED": "0"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "LOCAL_POOL 3.0" in result.stdout
