@@ -7,13 +7,20 @@ and an autoscaler grows the group that provides them.
 
 import logging
 import os
+import socket
+import warnings
 from collections.abc import Mapping, Sequence
+from urllib.parse import urlparse
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from osdp_planners.errors import UserError
 from osdp_platform.recipe.schema import HardwareSection, Recipe
+
+RAY_CLIENT_SCHEME = "ray://"
+CLIENT_PROBE_TIMEOUT_S = 10.0  # a TCP connect, no more: a head across a slow link still answers within it
+PROXY_VARIABLES = ("grpc_proxy", "https_proxy", "http_proxy", "GRPC_PROXY", "HTTPS_PROXY", "HTTP_PROXY")
 
 
 def pool_request(hw: HardwareSection) -> dict[str, float]:
@@ -56,7 +63,7 @@ def connect(recipes: Recipe | Sequence[Recipe], address: str | None, verbose: bo
     address = address or os.environ.get("RAY_ADDRESS")
     level = logging.INFO if verbose else logging.ERROR  # INFO: Ray's default
     if address:
-        ray.init(address=address, log_to_driver=verbose, logging_level=level)
+        _join(address, verbose, level)
         return
     pools = [r.hardware for r in ([recipes] if isinstance(recipes, Recipe) else recipes)]
     cpus = max(os.cpu_count() or 1, *(hw.world_size for hw in pools))
@@ -73,6 +80,50 @@ def connect(recipes: Recipe | Sequence[Recipe], address: str | None, verbose: bo
         include_dashboard=False,
         log_to_driver=verbose,
         logging_level=level,
+    )
+
+
+def _join(address: str, verbose: bool, level: int) -> None:
+    """ray.init at `address`; a Ray client server that does not answer is the user's to fix (a wrong address,
+    a tunnel that is down), so it is refused as --address rather than surfacing as Ray's ConnectionError."""
+    client = address.startswith(RAY_CLIENT_SCHEME)
+    if client:
+        _probe_client(address)
+    with warnings.catch_warnings():
+        if not verbose:  # Ray's own hint on a client timeout: the error below says it, with the fix
+            warnings.filterwarnings("ignore", "Ray Client connection timed out", UserWarning)
+        try:
+            ray.init(address=address, log_to_driver=verbose, logging_level=level)
+        except ConnectionError as exc:
+            if not client:
+                raise
+            raise _no_client(address, str(exc)) from None
+
+
+def _probe_client(address: str) -> None:
+    """Refuse at once a client address nothing listens on: Ray's client retries it for about 30 s before
+    it gives up. A host reached only through a proxy (gRPC honours the proxy variables) is left to Ray."""
+    parsed = urlparse(address)
+    try:
+        host, port = parsed.hostname, parsed.port
+    except ValueError as exc:  # a port that is no number
+        raise _no_client(address, str(exc)) from None
+    if host is None or port is None or any(os.environ.get(v) for v in PROXY_VARIABLES):
+        return
+    try:
+        socket.create_connection((host, port), timeout=CLIENT_PROBE_TIMEOUT_S).close()
+    except OSError as exc:
+        raise _no_client(address, str(exc) or type(exc).__name__) from None
+
+
+def _no_client(address: str, reason: str) -> UserError:
+    return UserError(
+        "--address",
+        address,
+        f"no Ray client server answers there ({reason})",
+        "give the head's Ray client address (ray://HEAD:10001; on Kubernetes `kubectl port-forward "
+        "svc/<cluster>-head-svc 10001:10001` and --address ray://127.0.0.1:10001), http://HEAD:8265 for the Jobs "
+        "API, or leave --address and $RAY_ADDRESS unset for a local Ray",
     )
 
 
