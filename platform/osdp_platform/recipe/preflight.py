@@ -167,7 +167,7 @@ def check_plan_file(recipe: Recipe, model: nn.Module) -> None:
             f"is read only by the manual planner, and planner.name is {planner.name!r}: it would be ignored",
             "set planner.name=manual to train that plan, or remove planner.plan_file",
         )
-    from osdp_planners.make_plan import read_plan_file  # the planner's modules load only for a plan file
+    from osdp_planners.manual import read_plan_file  # the planner's modules load only for a plan file
 
     read_plan_file(planner.plan_file, model, recipe.hardware.world_size)
 
