@@ -9,6 +9,7 @@ is built whole on CPU by its own constructor on every rank: such a worker briefl
 fp32 model in host memory, which the planner's per-device budget does not count.
 """
 
+import dataclasses
 import importlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -23,7 +24,7 @@ from osdp_planners.torch_private import detect_fake_mode
 from osdp_platform.recipe.schema import ModelSection
 from osdp_platform.runtime.apply import Meshes, apply_plan
 from osdp_platform.runtime.meta_init import init_protocol, initialize, scatter_into
-from osdp_platform.zoo import zoo_module, zoo_sizes
+from osdp_platform.zoo import zoo_config, zoo_module, zoo_sizes
 
 
 def _import_factory(target: str) -> Callable[..., Any]:
@@ -118,7 +119,14 @@ def _construct(section: ModelSection) -> nn.Module:
         try:
             return zoo_module(section.family, str(section.size), **section.kwargs)
         except (ValueError, TypeError) as exc:
-            raise UserError("model.kwargs", section.kwargs, str(exc), "use the options listed above") from None
+            preset = dataclasses.asdict(zoo_config(section.family, str(section.size)))
+            values = ", ".join(f"{k}={v}" for k, v in preset.items() if k not in ("family", "size"))
+            raise UserError(
+                "model.kwargs",
+                section.kwargs,
+                str(exc),
+                f"change model.kwargs so that this holds (the {section.family}/{section.size} preset has {values})",
+            ) from None
     if section.hf_config is not None:
         return _hf_model(section)
     model = _import_factory(str(section.target))(**section.kwargs)

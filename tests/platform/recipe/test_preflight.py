@@ -99,6 +99,9 @@ CASES: dict[str, Case] = {
     "unknown zoo size": Case(_on_tiny("model.size=3b"), "model.size"),
     "unknown zoo family": Case(_on_tiny("model.family=bert"), "model.family"),
     "unknown zoo option": Case(_on_tiny("model.kwargs.depth=3"), "model.kwargs"),
+    "zoo options that disagree": Case(
+        _on_tiny("model.kwargs.dim=65"), "the llama/tiny preset has vocab_size=256, dim=64"
+    ),
     "two sources": Case(_on_tiny("model.target=x:y"), "model"),
     "target without colon": Case(
         _on_tiny("model.family=null", "model.size=null", "model.target=nocolon"), "model.target"
