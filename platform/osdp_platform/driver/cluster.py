@@ -84,11 +84,11 @@ def connect(recipes: Recipe | Sequence[Recipe], address: str | None, verbose: bo
 
 
 def _join(address: str, verbose: bool, level: int) -> None:
-    """ray.init at `address`; a Ray client server that does not answer is the user's to fix (a wrong address,
-    a tunnel that is down), so it is refused as --address rather than surfacing as Ray's ConnectionError."""
+    """ray.init at `address`; a head that does not answer is the user's to fix (a wrong address, a tunnel
+    that is down), so it is refused as --address rather than surfacing as Ray's ConnectionError, or, at a
+    HOST:PORT address, as Ray's wait of minutes with nothing on the terminal."""
     client = address.startswith(RAY_CLIENT_SCHEME)
-    if client:
-        _probe_client(address)
+    _probe(address, client)
     with warnings.catch_warnings():
         if not verbose:  # Ray's own hint on a client timeout: the error below says it, with the fix
             warnings.filterwarnings("ignore", "Ray Client connection timed out", UserWarning)
@@ -97,33 +97,34 @@ def _join(address: str, verbose: bool, level: int) -> None:
         except ConnectionError as exc:
             if not client:
                 raise
-            raise _no_client(address, str(exc)) from None
+            raise _no_head(address, str(exc), client) from None
 
 
-def _probe_client(address: str) -> None:
-    """Refuse at once a client address nothing listens on: Ray's client retries it for about 30 s before
-    it gives up. A host reached only through a proxy (gRPC honours the proxy variables) is left to Ray."""
-    parsed = urlparse(address)
+def _probe(address: str, client: bool) -> None:
+    """Refuse at once an address nothing listens on: Ray's client retries one for about 30 s, and joining
+    a HOST:PORT (the head's GCS) for minutes. `auto` and an address without a port are left to Ray, and so
+    is a client reached only through a proxy (gRPC honours the proxy variables)."""
+    parsed = urlparse(address if "://" in address else f"//{address}")
     try:
         host, port = parsed.hostname, parsed.port
     except ValueError as exc:  # a port that is no number
-        raise _no_client(address, str(exc)) from None
-    if host is None or port is None or any(os.environ.get(v) for v in PROXY_VARIABLES):
+        raise _no_head(address, str(exc), client) from None
+    if host is None or port is None or (client and any(os.environ.get(v) for v in PROXY_VARIABLES)):
         return
     try:
         socket.create_connection((host, port), timeout=CLIENT_PROBE_TIMEOUT_S).close()
     except OSError as exc:
-        raise _no_client(address, str(exc) or type(exc).__name__) from None
+        raise _no_head(address, str(exc) or type(exc).__name__, client) from None
 
 
-def _no_client(address: str, reason: str) -> UserError:
+def _no_head(address: str, reason: str, client: bool) -> UserError:
     return UserError(
         "--address",
         address,
-        f"no Ray client server answers there ({reason})",
+        f"no Ray {'client server' if client else 'head (its GCS port)'} answers there ({reason})",
         "give the head's Ray client address (ray://HEAD:10001; on Kubernetes `kubectl port-forward "
         "svc/<cluster>-head-svc 10001:10001` and --address ray://127.0.0.1:10001), http://HEAD:8265 for the Jobs "
-        "API, or leave --address and $RAY_ADDRESS unset for a local Ray",
+        "API, HEAD:6379 from inside the cluster, or leave --address and $RAY_ADDRESS unset for a local Ray",
     )
 
 

@@ -1,4 +1,4 @@
-"""A ray:// address no Ray client server answers at is the user's to fix: exit 2 with one message naming
+"""A ray:// or HOST:PORT address no Ray answers at is the user's to fix: exit 2 with one message naming
 --address, before anything starts, and none of Ray's own warnings on the terminal."""
 
 import os
@@ -28,9 +28,9 @@ def _submit(address: str, folder: Path, env: dict[str, str] | None = None) -> tu
     return result.returncode, result.stdout + result.stderr
 
 
-def _refused_as_address(code: int, output: str, address: str) -> None:
+def _refused_as_address(code: int, output: str, address: str, what: str = "client server") -> None:
     assert code == EXIT_USER_ERROR, output[-3000:]
-    assert f"--address = '{address}': no Ray client server answers there" in output and "fix:" in output
+    assert f"--address = '{address}': no Ray {what} answers there" in output and "fix:" in output
     assert "Warning" not in output and "warnings.warn" not in output and "Traceback" not in output, output
 
 
@@ -51,3 +51,12 @@ def test_a_port_that_is_no_ray_client_server_is_refused(tmp_path: Path) -> None:
         quick = {"RAY_CLIENT_INITIAL_CONNECTION_TIMEOUT_S": "1", "RAY_CLIENT_MAX_CONNECTION_TIMEOUT_S": "1"}
         code, output = _submit(address, tmp_path, quick)
     _refused_as_address(code, output, address)
+
+
+def test_a_head_address_nothing_answers_at_is_refused_at_once(tmp_path: Path) -> None:
+    """HOST:PORT, as a driver inside the cluster joins the head's GCS: Ray waited minutes, silent."""
+    address = f"127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    code, output = _submit(address, tmp_path)
+    _refused_as_address(code, output, address, "head (its GCS port)")
+    assert time.monotonic() - start < 25
