@@ -111,7 +111,10 @@ def infeasible(ctx: Context, req: PlanRequest) -> NoPlanFits:
     plans = [] if uniform else footprint_candidates(ctx, req)
     low = uniform_footprint(ctx, req, Strategy(req.planner)) if uniform else _least(plans)
     need = low.evaluation.peak_bytes
-    what = f"no {req.planner} plan fits at any batch size" if uniform else "no plan fits"
+    fixed = req.micro_batch_size
+    batch = "at any batch size" if fixed is None else f"at micro batch {fixed} (train.micro_batch_size)"
+    what = f"no {req.planner} plan fits {batch}" if uniform else f"no plan fits {batch}"
+    shorter = "shorten data.seq_len" + (", or lower train.micro_batch_size" if fixed is not None and fixed > 1 else "")
     advised = req.margin.budget_for(need) / GIB
     at_least = f"at least {advised:.4f} GiB (the footprint plus the {req.margin.describe()} margin)"
     more = (
@@ -124,15 +127,15 @@ def infeasible(ctx: Context, req: PlanRequest) -> NoPlanFits:
         devices = nodes * req.workers_per_node
         fix = (
             f"{more}; or train on {nodes} node(s) of {req.workers_per_node} such devices ({devices} in all: "
-            "a plan fits there, sharded over every device), or shorten data.seq_len"
+            f"a plan fits there, sharded over every device), or {shorter}"
         )
     elif plans and req.world_size > 1:
         fix = (
-            f"{more}, or shorten data.seq_len; more devices will not do: sharded over {MAX_NODES_ADVISED} nodes, "
+            f"{more}, or {shorter}; more devices will not do: sharded over {MAX_NODES_ADVISED} nodes, "
             "what each device holds of its own (its activations, the units it gathers) is still over the budget"
         )
     else:
-        fix = f"{more}; or add devices, or shorten data.seq_len"
+        fix = f"{more}; or add devices, or {shorter}"
     if uniform:
         mixed = req.margin.budget_for(smallest_footprint(ctx, req).evaluation.peak_bytes) / GIB
         fix += f"; or use planner.name=osdp, which mixes strategies and fits from {mixed:.4f} GiB"

@@ -487,3 +487,16 @@ def test_no_plan_fits_advises_a_pool_of_whole_nodes_on_which_one_does() -> None:
     assert plan.world_size == 2 * nodes and plan.predicted.peak_memory_bytes <= req.margin.usable(budget)
     assert "node(s)" not in tight.value.fix and "add devices" not in tight.value.fix
     assert "more devices will not do: sharded over 1024 nodes" in tight.value.fix, tight.value.fix
+
+
+def test_a_refusal_at_a_fixed_micro_batch_names_it_and_advises_a_smaller_one() -> None:
+    """A recipe that fixes the micro batch is refused at that batch, not 'at any batch size', and a
+    smaller micro batch is among the fixes."""
+    build = ZooModel("llama", 2)
+    with pytest.raises(NoPlanFits) as err:
+        plan_zoo(build, zoo_request("llama", 2, micro_batch=8, limit=1 << 16))
+    assert "no plan fits at micro batch 8 (train.micro_batch_size)" in err.value.problem, err.value.problem
+    assert "lower train.micro_batch_size" in err.value.fix, err.value.fix
+    with pytest.raises(NoPlanFits) as free:
+        plan_zoo(build, zoo_request("llama", 2, limit=1 << 16))
+    assert "micro batch" not in free.value.fix and "train.micro_batch_size" not in free.value.problem
