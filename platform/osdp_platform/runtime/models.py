@@ -10,6 +10,7 @@ fp32 model in host memory, which the planner's per-device budget does not count.
 """
 
 import dataclasses
+import difflib
 import importlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -69,6 +70,25 @@ def _parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
+def _refuse_typos(config: Any, given: dict[str, tuple[str, object]]) -> None:
+    """A config field transformers does not know but that is one letter from one it does: transformers
+    keeps any name and builds the model without it (num_hiden_layers=1 gave the config's default depth).
+    A name close to none is left alone: a config may carry fields of its own."""
+    known = set(vars(type(config)())) | set(type(config).attribute_map)
+    public = sorted(k for k in known if not k.startswith("_"))
+    for where, (key, value) in given.items():
+        if key in known or f"_{key}" in known or key == "model_type":
+            continue
+        close = difflib.get_close_matches(key, public, n=1, cutoff=0.85)
+        if close:
+            raise UserError(
+                where,
+                value,
+                f"is not a field of {type(config).__name__}: transformers would build the model without it",
+                f"did you mean {close[0]}?",
+            )
+
+
 def _hf_model(section: ModelSection) -> nn.Module:
     """A `transformers` causal LM from a config alone (inline, or a local config.json): nothing is downloaded."""
     try:
@@ -90,6 +110,9 @@ def _hf_model(section: ModelSection) -> nn.Module:
             f"is not a usable transformers config ({' '.join(str(exc).split())[:200]})",
             "give model_type (e.g. llama, gpt2) and that model's config fields, or the path of a local config.json",
         ) from None
+    inline = {} if isinstance(section.hf_config, str) else section.hf_config or {}
+    _refuse_typos(config, {f"model.hf_config.{k}": (k, v) for k, v in inline.items()})
+    _refuse_typos(config, {f"model.kwargs.{k}": (k, v) for k, v in section.kwargs.items()})
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:  # an encoder-decoder (t5) or an encoder-only model
         raise UserError(
             "model.hf_config",

@@ -99,6 +99,18 @@ CASES: dict[str, Case] = {
     "unknown zoo size": Case(_on_tiny("model.size=3b"), "model.size"),
     "unknown zoo family": Case(_on_tiny("model.family=bert"), "model.family"),
     "unknown zoo option": Case(_on_tiny("model.kwargs.depth=3"), "model.kwargs"),
+    "transformers field misspelt": Case(
+        _on_tiny(
+            "model.family=null",
+            "model.size=null",
+            "model.hf_config.model_type=gpt2",
+            "model.hf_config.n_embd=64",
+            "model.hf_config.n_head=4",
+            "model.hf_config.vocab_size=256",
+            "model.hf_config.n_layr=1",
+        ),
+        "model.hf_config.n_layr = 1: is not a field of GPT2Config",
+    ),
     "zoo options that disagree": Case(
         _on_tiny("model.kwargs.dim=65"), "the llama/tiny preset has vocab_size=256, dim=64"
     ),
