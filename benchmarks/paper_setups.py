@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from osdp_planners.evaluate import Context, evaluate
-from osdp_planners.options import Option
-from osdp_planners.plan import SPLITS, Plan, Strategy
+from osdp_planners.options import SPLITS, Option
+from osdp_planners.plan import Plan, Strategy
 from osdp_planners.request import PlanRequest
 from osdp_planners.space import batch_candidates
 from osdp_platform.planning.local import plan_recipe, plan_request

@@ -13,8 +13,8 @@ from osdp_planners.evaluate import Bound, Context, evaluate
 from osdp_planners.hardware import GIB
 from osdp_planners.memory_model import simulate
 from osdp_planners.milp import TIME_LIMIT_S, least_peak
-from osdp_planners.options import Option
-from osdp_planners.plan import SPLITS, Strategy
+from osdp_planners.options import SPLITS, Option
+from osdp_planners.plan import Strategy
 from osdp_planners.request import PlanRequest
 from osdp_planners.search import least_bound
 from osdp_planners.space import batch_candidates, checkpointable, splittable, unit_option_lists

@@ -9,7 +9,9 @@ and predictions. The plan is assembled from options field by field and read back
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from osdp_planners.plan import SPLITS, Strategy, UnitPlan
+from osdp_planners.plan import Strategy, UnitPlan
+
+SPLITS = (1, 2, 4, 8)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from osdp_planners.margin import MemoryMargin
 
 PLAN_VERSION = 1
-SPLITS = (1, 2, 4, 8)  # the slices a unit's Linears may be split into (the profiler measures each)
 
 
 class Strategy(StrEnum):
@@ -118,8 +117,6 @@ class Plan(_Strict):
                     f"unit {u.name}: {u.strategy} shards over all {self.world_size} ranks, "
                     f"so shard_group_size must be {self.world_size}"
                 )
-            if u.split not in SPLITS:
-                raise ValueError(f"unit {u.name}: split {u.split} is not one of {', '.join(map(str, SPLITS))}")
         return self
 
     @property

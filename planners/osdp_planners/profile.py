@@ -23,8 +23,7 @@ import difflib
 from dataclasses import dataclass
 from functools import cached_property
 
-from osdp_planners.options import Variant
-from osdp_planners.plan import SPLITS
+from osdp_planners.options import SPLITS, Variant
 from osdp_planners.trace import ROOT
 from osdp_planners.units import Unit
 

@@ -19,8 +19,8 @@ from torch import nn
 from osdp_planners.assemble import make_plan
 from osdp_planners.hardware import get_preset
 from osdp_planners.memory_model import simulate
-from osdp_planners.options import Option, strategy_choices
-from osdp_planners.plan import SPLITS, Plan, UnitPlan
+from osdp_planners.options import SPLITS, Option, strategy_choices
+from osdp_planners.plan import Plan, UnitPlan
 from osdp_planners.profile import ModelProfile
 from osdp_planners.profiler import profile_model
 from osdp_planners.request import PlanRequest

@@ -120,7 +120,7 @@ def _edited(plan: dict[str, Any], edit: str) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("edit", "overrides", "said"),
     [
-        ("split 3", [], ["planner.plan_file", "split 3 is not one of 1, 2, 4, 8"]),
+        ("split 3", [], ["planner.plan_file", "unit layers.0.attn:", "split 3", "use one of:"]),
         ("split a unit without Linears", [], ["planner.plan_file", "unit embed:", "split 2", "use one of:"]),
         ("micro batch 16", [], ["train.micro_batch_size = 8", "micro_batch_size 16", "set train.micro_batch_size=16"]),
         (
