@@ -78,16 +78,7 @@ def test_a_local_run_provides_the_pool_for_every_worker(tmp_path: Path) -> None:
         "print('LOCAL_POOL', ray.cluster_resources().get('LOCAL_POOL'))\n"
         "ray.shutdown()\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "RAY_USAGE_STATS_ENABLED": "0"},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "LOCAL_POOL 3.0" in result.stdout
+    assert "LOCAL_POOL 3.0" in _fresh_python(code, tmp_path)
 
 
 def test_a_local_ray_is_sized_for_the_largest_cell_whatever_the_order(tmp_path: Path) -> None:
@@ -105,13 +96,18 @@ def test_a_local_ray_is_sized_for_the_largest_cell_whatever_the_order(tmp_path: 
         "print('LOCAL_POOL', ray.cluster_resources().get('LOCAL_POOL'))\n"
         "ray.shutdown()\n"
     )
+    assert "LOCAL_POOL 3.0" in _fresh_python(code, tmp_path)
+
+
+def _fresh_python(code: str, folder: Path) -> str:
+    """`code`'s output from a Python of its own (the test session's Ray is already initialised in this one)."""
     result = subprocess.run(
         [sys.executable, "-c", code],
-        cwd=tmp_path,
+        cwd=folder,
         capture_output=True,
         text=True,
         timeout=180,
-        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "RAY_USAGE_STATS_ENABLED": "0"},
+        env={"PATH": "/usr/bin:/bin", "HOME": str(folder), "RAY_USAGE_STATS_ENABLED": "0"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "LOCAL_POOL 3.0" in result.stdout
+    return result.stdout
