@@ -28,7 +28,7 @@ from osdp_planners.replan import replan
 from osdp_platform.driver.cluster import hosted, node_totals, worker_resources
 from osdp_platform.driver.faults import one_line, root_cause
 from osdp_platform.planning.local import plan_request
-from osdp_platform.recipe.inputs import HardwareSection
+from osdp_platform.recipe.pool import HardwareSection
 from osdp_platform.recipe.schema import Recipe
 from osdp_platform.runtime.models import build_model
 

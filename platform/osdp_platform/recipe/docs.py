@@ -24,7 +24,7 @@ START = "<!-- recipe-reference:start -->"
 END = "<!-- recipe-reference:end -->"
 REGENERATE = "make docs"
 _NOTE = (
-    "<!-- generated from platform/osdp_platform/recipe/{schema,inputs}.py: "
+    "<!-- generated from platform/osdp_platform/recipe/{schema,inputs,pool}.py: "
     f"edit the Field descriptions there, then run `{REGENERATE}` -->"
 )
 

@@ -10,7 +10,9 @@ from pydantic import Field, PositiveInt, field_validator, model_validator
 from osdp_planners.hardware import PRESETS
 from osdp_planners.margin import MemoryMargin
 from osdp_planners.request import RENAMED, search_mode
-from osdp_platform.recipe.inputs import DataSection, FieldProblem, HardwareSection, ModelSection, Section
+from osdp_platform.recipe.inputs import DataSection, ModelSection
+from osdp_platform.recipe.pool import HardwareSection
+from osdp_platform.recipe.section import FieldProblem, Section
 
 
 class PlannerSection(Section):

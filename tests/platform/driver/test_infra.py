@@ -27,8 +27,8 @@ import yaml
 
 from helpers import REPO
 from osdp_planners.hardware import PRESETS
-from osdp_platform.recipe.inputs import RAY_BUILTIN_RESOURCES, HardwareSection
 from osdp_platform.recipe.loader import load_recipe
+from osdp_platform.recipe.pool import RAY_BUILTIN_RESOURCES, HardwareSection
 from osdp_platform.recipe.schema import TrainSection
 
 INFRA = REPO / "infra"

@@ -15,8 +15,8 @@ from osdp_platform.zoo import zoo_sizes
 def test_readme_reference_matches_the_schema() -> None:
     readme = REPO / "README.md"
     assert recipe_docs.current_block(readme) == recipe_docs.readme_block(), (
-        "README.md's recipe reference differs from platform/osdp_platform/recipe/{schema,inputs}.py: run `make docs` "
-        "(or .venv/bin/python -m osdp_platform.recipe.docs --write README.md) and commit the result"
+        "README.md's recipe reference differs from platform/osdp_platform/recipe/{schema,inputs,pool}.py: "
+        "run `make docs` (or .venv/bin/python -m osdp_platform.recipe.docs --write README.md) and commit the result"
     )
 
 
