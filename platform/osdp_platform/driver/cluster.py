@@ -19,7 +19,7 @@ from osdp_planners.errors import UserError
 from osdp_platform.recipe.schema import HardwareSection, Recipe
 
 RAY_CLIENT_SCHEME = "ray://"
-CLIENT_PROBE_TIMEOUT_S = 10.0  # a TCP connect, no more: a head across a slow link still answers within it
+PROBE_TIMEOUT_S = 10.0  # a TCP connect to a ray:// or HOST:PORT address: a head across a slow link answers within it
 PROXY_VARIABLES = ("grpc_proxy", "https_proxy", "http_proxy", "GRPC_PROXY", "HTTPS_PROXY", "HTTP_PROXY")
 
 
@@ -112,7 +112,7 @@ def _probe(address: str, client: bool) -> None:
     if host is None or port is None or (client and any(os.environ.get(v) for v in PROXY_VARIABLES)):
         return
     try:
-        socket.create_connection((host, port), timeout=CLIENT_PROBE_TIMEOUT_S).close()
+        socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S).close()
     except OSError as exc:
         raise _no_head(address, str(exc) or type(exc).__name__, client) from None
 

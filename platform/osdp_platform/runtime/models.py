@@ -14,6 +14,7 @@ import difflib
 import importlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import cache
 from typing import Any
 
 import torch
@@ -70,11 +71,18 @@ def _parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
+@cache
+def _config_fields(config_class: type) -> frozenset[str]:
+    """A transformers config class's field names and aliases, from a default instance: once per class,
+    since planning builds the model on meta many times."""
+    return frozenset(vars(config_class())) | frozenset(config_class.attribute_map)
+
+
 def _refuse_typos(config: Any, given: dict[str, tuple[str, object]]) -> None:
     """A config field transformers does not know but that is one letter from one it does: transformers
     keeps any name and builds the model without it (num_hiden_layers=1 gave the config's default depth).
     A name close to none is left alone: a config may carry fields of its own."""
-    known = set(vars(type(config)())) | set(type(config).attribute_map)
+    known = _config_fields(type(config))
     public = sorted(k for k in known if not k.startswith("_"))
     for where, (key, value) in given.items():
         if key in known or f"_{key}" in known or key == "model_type":
