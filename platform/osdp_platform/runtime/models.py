@@ -14,7 +14,6 @@ import difflib
 import importlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from functools import cache
 from typing import Any
 
 import torch
@@ -71,11 +70,15 @@ def _parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
-@cache
-def _config_fields(config_class: type) -> frozenset[str]:
-    """A transformers config class's field names and aliases, from a default instance: once per class,
-    since planning builds the model on meta many times."""
-    return frozenset(vars(config_class())) | frozenset(config_class.attribute_map)
+_CONFIG_FIELDS: dict[Any, frozenset[str]] = {}  # a transformers config class -> its field names and aliases
+
+
+def _config_fields(config_class: Any) -> frozenset[str]:
+    """A config class's field names and aliases, from a default instance: once per class, since planning
+    builds the model on meta many times."""
+    if config_class not in _CONFIG_FIELDS:
+        _CONFIG_FIELDS[config_class] = frozenset(vars(config_class())) | frozenset(config_class.attribute_map)
+    return _CONFIG_FIELDS[config_class]
 
 
 def _refuse_typos(config: Any, given: dict[str, tuple[str, object]]) -> None:
